@@ -1,0 +1,325 @@
+"""`MagicDecCache`: the full KV cache with ragged per-row lengths, plus compressed draft views.
+
+Layout per layer (``B`` rows, ``Hkv`` local KV heads, ``D`` head dim)::
+
+    keys / values        [B, Hkv, capacity, D]   the full cache; row b's committed tokens are
+                                                 slots [0, lengths[b]) (left padding included,
+                                                 always masked)
+    draft_keys / values  [B, Hkv, Ks + W + gamma + 1, D]
+                         [ static selection Ks | rolling window W | draft scratch gamma | trash 1 ]
+
+Models call ``cache.update(k, v, layer_idx)`` without metadata, so the engine tells the cache
+what the next forward is (``begin_prefill`` / ``begin_draft`` / ``begin_verify``) and the cache
+owns every per-row offset. Commit and rollback are O(1) per row: rejected tokens' KV stays in
+slots that the next verify overwrites, and only ``lengths`` moves.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+from .views import DraftView, ScoreContext
+
+if TYPE_CHECKING:
+    from .config import MagicDecConfig
+
+_PREFILL, _DRAFT, _VERIFY = "prefill", "draft", "verify"
+
+
+class MagicDecLayer(CacheLayerMixin):
+    """One layer of a :class:`MagicDecCache`. Allocates lazily on the first keys it receives, so it
+    lives on its layer's device with its local head count (device maps, tensor parallelism)."""
+
+    is_sliding = False
+    is_compileable = False
+
+    def __init__(self, owner: "MagicDecCache", layer_idx: int):
+        super().__init__()
+        self.owner = owner
+        self.layer_idx = layer_idx
+        self.draft_keys: torch.Tensor | None = None
+        self.draft_values: torch.Tensor | None = None
+        self.observed_queries: torch.Tensor | None = None  # [B, H, w, D] for SnapKV
+        self.scaling: float | None = None
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        batch, kv_heads, _, head_dim = key_states.shape
+        shape = (batch, kv_heads, self.owner.capacity, head_dim)
+        self.keys = key_states.new_zeros(shape)
+        self.values = value_states.new_zeros((batch, kv_heads, self.owner.capacity, value_states.shape[-1]))
+        self.device, self.dtype = key_states.device, key_states.dtype
+        self.is_initialized = True
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        return self.owner._layer_update(self, key_states, value_states)
+
+    def get_seq_length(self) -> int:
+        return self.owner.max_length()
+
+    def get_max_length(self) -> int:
+        return self.owner.capacity
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.owner.max_length() + query_length, 0
+
+
+class MagicDecCache(Cache):
+    """Full KV cache with per-row write offsets and per-layer draft views.
+
+    Parameters
+    ----------
+    num_layers : int
+        Decoder layers of the model.
+    batch_size : int
+        Rows.
+    capacity : int
+        Slots per row: at least prompt length + new tokens + gamma + 1.
+    pad_lengths : torch.LongTensor
+        ``[batch]`` left-padding slots of each row's prompt.
+
+    Notes
+    -----
+    Not meant to be reused across ``generate`` calls: the engine builds one per call.
+    """
+
+    def __init__(self, num_layers: int, batch_size: int, capacity: int, pad_lengths: torch.Tensor):
+        layers = [MagicDecLayer(self, i) for i in range(num_layers)]
+        super().__init__(layers=layers)
+        self.num_rows = batch_size
+        self.capacity = capacity
+        self.pad = pad_lengths.long()  # [B]
+        self.lengths = torch.zeros_like(self.pad)  # [B] committed slots
+        self._max_len = 0  # host mirror of lengths.max()
+        self._mode: str | None = None
+        self._start = 0  # prefill write offset (uniform: padding is on the left)
+        self._q = 0
+        self._draft_step = 0
+        self._memo: dict[tuple[str, torch.device], torch.Tensor] = {}
+        # Draft-view state (shared by all layers: counts depend only on row lengths).
+        self.view: DraftView | None = None
+        self.static_slots = 0  # Ks
+        self.window_slots = 0  # W
+        self.gamma = 0
+        self.static_count: torch.Tensor | None = None  # [B] valid static slots per row
+        self.ring_ptr: torch.Tensor | None = None  # [B] tokens ever written to the window
+        self.observation_window = 0
+
+    # ------------------------------------------------------------------ bookkeeping
+    def max_length(self) -> int:
+        """Longest committed row, in slots (padding included)."""
+        return self._max_len
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self._max_len
+
+    def _on(self, name: str, tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+        """``tensor`` on ``device``, memoised until the next ``begin_*`` (one copy per device)."""
+        if tensor.device == device:
+            return tensor
+        key = (name, device)
+        hit = self._memo.get(key)
+        if hit is None:
+            hit = self._memo[key] = tensor.to(device, non_blocking=True)
+        return hit
+
+    def _begin(self, mode: str) -> None:
+        self._mode = mode
+        self._memo.clear()
+
+    def begin_prefill(self, start: int, length: int) -> None:
+        """Next forward writes prompt slots ``[start, start + length)`` in every row."""
+        self._begin(_PREFILL)
+        self._start, self._q = start, length
+
+    def end_prefill(self, prompt_slots: int) -> None:
+        self.lengths.fill_(prompt_slots)
+        self._max_len = prompt_slots
+        self._mode = None
+
+    def begin_draft(self, step: int) -> None:
+        """Next forward is draft step ``step`` (one token per row) on the draft views."""
+        if self.view is None:
+            raise RuntimeError("build_draft_views() must run before drafting.")
+        self._begin(_DRAFT)
+        self._draft_step = step
+
+    def begin_verify(self, num_tokens: int) -> None:
+        """Next forward verifies ``num_tokens`` tokens per row at each row's own offset."""
+        self._begin(_VERIFY)
+        self._q = num_tokens
+        self._write_slots = self.lengths[:, None] + torch.arange(num_tokens, device=self.lengths.device)
+
+    def verify_kv_length(self, num_tokens: int) -> int:
+        return self._max_len + num_tokens
+
+    # ------------------------------------------------------------------ the write path
+    def _layer_update(self, layer: MagicDecLayer, key_states: torch.Tensor, value_states: torch.Tensor):
+        mode = self._mode
+        if mode == _VERIFY:
+            # [B, q] per-row slots; scatter along the sequence axis.
+            slots = self._on("write_slots", self._write_slots, layer.keys.device)
+            index = slots[:, None, :, None].expand(-1, key_states.shape[1], -1, key_states.shape[-1])
+            layer.keys.scatter_(2, index, key_states)
+            index_v = slots[:, None, :, None].expand(-1, value_states.shape[1], -1, value_states.shape[-1])
+            layer.values.scatter_(2, index_v, value_states)
+            end = self._max_len + self._q
+            return layer.keys[:, :, :end], layer.values[:, :, :end]
+        if mode == _DRAFT:
+            slot = self.static_slots + self.window_slots + self._draft_step
+            layer.draft_keys[:, :, slot] = key_states[:, :, 0]
+            layer.draft_values[:, :, slot] = value_states[:, :, 0]
+            return layer.draft_keys[:, :, : slot + 1], layer.draft_values[:, :, : slot + 1]
+        if mode == _PREFILL:
+            end = self._start + self._q
+            layer.keys[:, :, self._start : end] = key_states
+            layer.values[:, :, self._start : end] = value_states
+            return layer.keys[:, :, :end], layer.values[:, :, :end]
+        raise RuntimeError(
+            "MagicDecCache.update() called outside a MagicDec step; this cache is driven by hf_magicdec's engine."
+        )
+
+    def observe(self, layer_idx: int, query: torch.Tensor, scaling: float | None) -> None:
+        """Keep the last ``observation_window`` prefill queries of a layer (SnapKV scoring)."""
+        if self._mode != _PREFILL or self.observation_window <= 0:
+            return
+        layer = self.layers[layer_idx]
+        tail = query[:, :, -self.observation_window :]
+        if layer.observed_queries is not None and tail.shape[2] < self.observation_window:
+            tail = torch.cat([layer.observed_queries, tail], dim=2)[:, :, -self.observation_window :]
+        layer.observed_queries = tail.detach().clone()
+        layer.scaling = scaling
+
+    # ------------------------------------------------------------------ draft views
+    def build_draft_views(self, view: DraftView, config: "MagicDecConfig", prompt_slots: int, max_new_tokens: int):
+        """Select every layer's draft view from the prefilled prompt.
+
+        Per row, with ``n`` real prompt tokens, the rolling window starts with the last
+        ``min(W, n - min(Ks, n))`` tokens and the static part selects up to ``Ks`` of the tokens
+        before them, so no token is ever in the view twice and a prompt shorter than the
+        budget is kept whole.
+        """
+        self.view = view
+        self.gamma = config.gamma
+        ks = view.static_slots(config, prompt_slots)
+        w = view.window_slots(config, prompt_slots, max_new_tokens)
+        self.static_slots, self.window_slots = ks, w
+        device = self.lengths.device
+        n_valid = prompt_slots - self.pad  # [B]
+        ring_init = torch.clamp(n_valid - torch.clamp(n_valid, max=ks), max=w)  # [B]
+        region = n_valid - ring_init  # [B] candidates for the static part
+        self.static_count = torch.clamp(region, max=ks)
+        self.ring_ptr = ring_init.clone()
+        slot = torch.arange(prompt_slots, device=device)
+        valid = slot[None, :] >= self.pad[:, None]  # [B, P]
+        candidate = valid & (slot[None, :] < (self.pad + region)[:, None])
+        ring_src = (prompt_slots - ring_init)[:, None] + torch.arange(w, device=device)[None, :]
+        ring_src = ring_src.clamp(max=max(prompt_slots - 1, 0))  # [B, W]; slots past ring_init are masked
+        for layer in self.layers:
+            self._build_layer_view(layer, view, config, prompt_slots, valid, candidate, ring_src)
+            layer.observed_queries = None
+        self._mode = None
+
+    def _build_layer_view(self, layer, view, config, prompt_slots, valid, candidate, ring_src) -> None:
+        keys, values = layer.keys, layer.values
+        dev = keys.device
+        batch, kv_heads, _, head_dim = keys.shape
+        ks, w = self.static_slots, self.window_slots
+        total = ks + w + self.gamma + 1
+        layer.draft_keys = keys.new_zeros((batch, kv_heads, total, head_dim))
+        layer.draft_values = values.new_zeros((batch, kv_heads, total, values.shape[-1]))
+        if ks > 0 and prompt_slots > 0:
+            ctx = ScoreContext(
+                keys=keys[:, :, :prompt_slots],
+                valid=valid.to(dev),
+                queries=layer.observed_queries,
+                scaling=layer.scaling if layer.scaling is not None else head_dim**-0.5,
+                config=config,
+            )
+            scores = view.score(ctx).float()  # [B, Hkv, P]
+            scores = scores.masked_fill(~candidate.to(dev)[:, None, :], float("-inf"))
+            k = min(ks, prompt_slots)
+            idx = torch.topk(scores, k, dim=-1, sorted=True).indices  # [B, Hkv, k], candidates first
+            layer.draft_keys[:, :, :k] = torch.gather(keys, 2, idx[..., None].expand(-1, -1, -1, head_dim))
+            layer.draft_values[:, :, :k] = torch.gather(
+                values, 2, idx[..., None].expand(-1, -1, -1, values.shape[-1])
+            )
+        if w > 0 and prompt_slots > 0:
+            src = ring_src.to(dev)[:, None, :, None]
+            layer.draft_keys[:, :, ks : ks + w] = torch.gather(keys, 2, src.expand(-1, kv_heads, -1, head_dim))
+            layer.draft_values[:, :, ks : ks + w] = torch.gather(
+                values, 2, src.expand(-1, kv_heads, -1, values.shape[-1])
+            )
+
+    def draft_valid(self) -> torch.Tensor:
+        """``[B, Ks + W]`` bool: which static and window slots of the draft view hold a token."""
+        device = self.lengths.device
+        static = torch.arange(self.static_slots, device=device)[None, :] < self.static_count[:, None]
+        filled = torch.clamp(self.ring_ptr, max=self.window_slots)
+        ring = torch.arange(self.window_slots, device=device)[None, :] < filled[:, None]
+        return torch.cat([static, ring], dim=1)
+
+    # ------------------------------------------------------------------ commit / rows
+    def commit(self, num_tokens: torch.Tensor) -> None:
+        """Keep the first ``num_tokens[b]`` verified tokens of each row (the rest is rolled back)
+        and append their target KV to every draft view's rolling window.
+
+        Parameters
+        ----------
+        num_tokens : ``[B]`` int, in ``[0, q]`` where ``q`` is the last verify's token count.
+        """
+        num_tokens = num_tokens.to(self.lengths.device).long()
+        if self.view is not None:
+            q = self._q
+            j = torch.arange(q, device=self.lengths.device)
+            src = (self.lengths[:, None] + j).clamp(max=self.capacity - 1)  # [B, q]
+            ring = self.static_slots + (self.ring_ptr[:, None] + j) % self.window_slots
+            trash = self.static_slots + self.window_slots + self.gamma
+            dst = torch.where(j[None, :] < num_tokens[:, None], ring, torch.full_like(ring, trash))
+            for layer in self.layers:
+                dev = layer.keys.device
+                s, d = src.to(dev), dst.to(dev)
+                kv_heads, head_dim = layer.keys.shape[1], layer.keys.shape[-1]
+                s_idx = s[:, None, :, None].expand(-1, kv_heads, -1, head_dim)
+                d_idx = d[:, None, :, None].expand(-1, kv_heads, -1, head_dim)
+                layer.draft_keys.scatter_(2, d_idx, torch.gather(layer.keys, 2, s_idx))
+                vd = layer.values.shape[-1]
+                s_idx = s[:, None, :, None].expand(-1, kv_heads, -1, vd)
+                d_idx = d[:, None, :, None].expand(-1, kv_heads, -1, vd)
+                layer.draft_values.scatter_(2, d_idx, torch.gather(layer.values, 2, s_idx))
+            self.ring_ptr += num_tokens
+        self.lengths += num_tokens
+        self._max_len = int(self.lengths.max().item()) if self.lengths.numel() else 0
+        self._mode = None
+
+    def select_rows(self, rows: torch.Tensor) -> None:
+        """Keep only ``rows`` (``[B']`` indices), dropping finished rows from the working batch."""
+        rows = rows.to(self.lengths.device)
+        self.pad = self.pad.index_select(0, rows)
+        self.lengths = self.lengths.index_select(0, rows)
+        if self.static_count is not None:
+            self.static_count = self.static_count.index_select(0, rows)
+            self.ring_ptr = self.ring_ptr.index_select(0, rows)
+        for layer in self.layers:
+            if not layer.is_initialized:
+                continue
+            r = rows.to(layer.keys.device)
+            layer.keys = layer.keys.index_select(0, r)
+            layer.values = layer.values.index_select(0, r)
+            if layer.draft_keys is not None:
+                layer.draft_keys = layer.draft_keys.index_select(0, r)
+                layer.draft_values = layer.draft_values.index_select(0, r)
+        self.num_rows = int(rows.numel())
+        self._max_len = int(self.lengths.max().item()) if self.lengths.numel() else 0
+        self._memo.clear()
+
+    # Generic Cache API that would silently corrupt ragged state: refuse loudly.
+    def crop(self, max_length: int):
+        raise NotImplementedError("MagicDecCache keeps ragged per-row lengths; use commit() instead of crop().")
+
+    def reorder_cache(self, beam_idx: torch.LongTensor):
+        raise NotImplementedError("MagicDecCache does not support beam search.")

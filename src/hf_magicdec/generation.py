@@ -1,0 +1,415 @@
+"""The self-speculative decoding loop: the ``custom_generate`` callable behind
+``model.generate(speculative="magicdec")``.
+
+One generation::
+
+    prefill (chunked)  ->  build draft views  ->  repeat until every row is done:
+        draft   gamma single-token forwards on the draft view      (cheap: small KV)
+        verify  one (gamma+1)-token forward on the full cache       (≈ one decode step)
+        accept  per row: greedy prefix match, or rejection sampling
+        commit  per row: keep accepted + 1 tokens, roll the rest back, feed the draft view
+
+Rows are ragged: each keeps its own length, offsets, positions and masks; finished rows leave
+the working batch at once, so no row ever waits for another.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+from typing import Any
+
+import torch
+
+from . import attention
+from .cache import MagicDecCache
+from .config import MagicDecConfig
+from .outputs import MagicDecOutput, SpeculationStats
+from .ragged import RaggedBatch
+from .sampling import greedy_verify, rejection_sample
+from .validation import check_generation_config, check_model, check_model_kwargs
+from .views import get_view
+
+
+@torch.no_grad()
+def generate(
+    model,
+    input_ids: torch.LongTensor,
+    logits_processor=None,
+    stopping_criteria=None,
+    generation_config=None,
+    synced_gpus: bool = False,
+    streamer=None,
+    *,
+    tokenizer=None,
+    speculative: Any = None,
+    draft: str | None = None,
+    draft_budget: int | None = None,
+    gamma: int | None = None,
+    sink_tokens: int | None = None,
+    magicdec_config: MagicDecConfig | None = None,
+    magicdec_streamer=None,
+    magicdec_synced_gpus: bool | None = None,
+    **model_kwargs,
+):
+    """Self-speculative (MagicDec) decoding, called by ``GenerationMixin.generate``.
+
+    Use it through ``model.generate(..., speculative="magicdec")`` (after ``import hf_magicdec``)
+    or without any patching as ``model.generate(..., custom_generate=hf_magicdec.generate)``.
+    ``generate`` has already prepared everything HF's own ``_sample`` receives.
+
+    Parameters
+    ----------
+    model : a decoder-only ``PreTrainedModel`` whose attention uses transformers'
+        ``AttentionInterface``.
+    input_ids : ``[B, P]`` left-padded prompts (already expanded for ``num_return_sequences``).
+    logits_processor, stopping_criteria, generation_config : as prepared by ``generate``.
+    tokenizer : enables ``stop_strings`` (``generate`` builds the criterion from it).
+    speculative, draft, draft_budget, gamma, sink_tokens, magicdec_config :
+        MagicDec settings (see :class:`~hf_magicdec.MagicDecConfig`); explicit values win.
+    magicdec_streamer, magicdec_synced_gpus : streamer / ``synced_gpus`` forwarded by the
+        ``speculative=`` routing (``generate`` does not hand them to custom callables).
+    **model_kwargs : ``attention_mask`` ``[B, P]`` or None, ``position_ids``, the empty cache …
+
+    Returns
+    -------
+    ``torch.LongTensor [B, P + T]`` right-padded with ``pad_token_id`` after each row's end, or
+    :class:`~hf_magicdec.MagicDecOutput` when ``return_dict_in_generate`` is set.
+
+    Raises
+    ------
+    ValueError, NotImplementedError
+        For unsupported models or settings, before any forward pass.
+    """
+    config = MagicDecConfig.from_any(
+        magicdec_config if magicdec_config is not None else (speculative if speculative is not None else "magicdec"),
+        draft=draft,
+        draft_budget=draft_budget,
+        gamma=gamma,
+        sink_tokens=sink_tokens,
+    )
+    streamer = magicdec_streamer if magicdec_streamer is not None else streamer
+    synced = magicdec_synced_gpus if magicdec_synced_gpus is not None else synced_gpus
+    if synced:
+        raise NotImplementedError("synced_gpus=True (ZeRO-3 / FSDP) is not supported by speculative='magicdec' yet.")
+    check_model(model, max_length=generation_config.max_length)
+    check_generation_config(generation_config)
+    model_kwargs = check_model_kwargs(model_kwargs)
+    chunk = generation_config.prefill_chunk_size or config.prefill_chunk_size
+
+    with _magicdec_attention(model):
+        engine = _Engine(model, config, generation_config, logits_processor, stopping_criteria, streamer, chunk)
+        return engine.run(input_ids, model_kwargs.get("attention_mask"), model_kwargs.get("position_ids"))
+
+
+@contextlib.contextmanager
+def _magicdec_attention(model):
+    """Switch the model to the ``magicdec`` attention for one call; always restore it."""
+    attention.register()
+    configs = [model.config] + [
+        sub for sub in (getattr(model.config, k, None) for k in getattr(model.config, "sub_configs", {}) or {}) if sub
+    ]
+    saved = [cfg._attn_implementation for cfg in configs]
+    try:
+        for cfg in configs:
+            cfg._attn_implementation = attention.ATTENTION_NAME
+        yield
+    finally:
+        for cfg, value in zip(configs, saved):
+            cfg._attn_implementation = value
+
+
+def _profile_sync(device: torch.device) -> None:
+    if device.type == "cuda" and os.environ.get("HF_MAGICDEC_PROFILE") == "1":
+        torch.cuda.synchronize(device)
+
+
+class _Engine:
+    """State of one generation. Tensors named ``*_all`` are indexed by original row; the others by
+    position in the working (unfinished) batch, whose original indices are ``self.rows``."""
+
+    def __init__(self, model, config, generation_config, logits_processor, stopping_criteria, streamer, chunk):
+        self.model = model
+        self.config = config
+        self.gen = generation_config
+        self.logits_processor = logits_processor
+        self.stopping_criteria = stopping_criteria
+        self.streamer = streamer
+        self.chunk = chunk
+        self.do_sample = bool(generation_config.do_sample)
+        self.view = get_view(config.draft)
+        self.keep_logits = model._supports_logits_to_keep()
+        self.sliding_dict = _needs_mask_dict(model.config)
+
+    # -------------------------------------------------------------- forward helpers
+    def _forward(self, ids, positions, mask, logits_to_keep: int | None, observe: bool = False):
+        kwargs = {}
+        if self.keep_logits and logits_to_keep is not None:
+            kwargs["logits_to_keep"] = logits_to_keep
+        if observe:
+            kwargs["magicdec_cache"] = self.cache
+        if self.sliding_dict:
+            mask = {"full_attention": mask, "sliding_attention": mask}
+        out = self.model(
+            input_ids=ids,
+            position_ids=positions,
+            attention_mask=mask,
+            past_key_values=self.cache,
+            use_cache=True,
+            return_dict=True,
+            **kwargs,
+        )
+        logits = out.logits
+        if logits_to_keep == 1 and logits.shape[1] != 1:
+            logits = logits[:, -1:]
+        return logits
+
+    # -------------------------------------------------------------- main loop
+    def run(self, input_ids, attention_mask, position_ids):
+        gen, config = self.gen, self.config
+        device = input_ids.device
+        batch, prompt = input_ids.shape
+        gamma = config.gamma
+        max_new = max(gen.max_length - prompt, 0)
+        pad_id = int(gen._pad_token_tensor.item()) if gen._pad_token_tensor is not None else 0
+        eos = gen._eos_token_tensor
+        eos = eos.to(device) if eos is not None else None
+        pad = _left_padding(attention_mask, batch, device)
+        if position_ids is None:
+            position_ids = (torch.arange(prompt, device=device)[None, :] - pad[:, None]).clamp(min=0)
+        capacity = prompt + max_new + gamma + 1
+        rb = RaggedBatch(input_ids, capacity, self.logits_processor, self.stopping_criteria, pad_id)
+        stats = SpeculationStats(
+            accepted_lengths=[[] for _ in range(batch)],
+            gamma=gamma,
+            draft=config.draft,
+            draft_budget=config.draft_budget,
+        )
+        want_scores = gen.return_dict_in_generate and gen.output_scores
+        want_logits = gen.return_dict_in_generate and gen.output_logits
+        row_scores: list[list[torch.Tensor]] = [[] for _ in range(batch)]
+        row_logits: list[list[torch.Tensor]] = [[] for _ in range(batch)]
+
+        if self.streamer is not None:
+            self.streamer.put(input_ids.cpu())
+        if max_new == 0:
+            return self._finish(rb, torch.full((batch,), prompt, device=device), prompt, pad_id, stats, [], [])
+
+        # ---------------- prefill
+        t0 = time.perf_counter()
+        self.cache = MagicDecCache(self.model.config.num_hidden_layers, batch, capacity, pad)
+        self.cache.observation_window = self.view.observation_window(config)
+        slot = torch.arange(prompt, device=device)
+        for start in range(0, prompt, self.chunk):
+            end = min(prompt, start + self.chunk)
+            self.cache.begin_prefill(start, end - start)
+            q_slot = slot[start:end]
+            mask = (slot[None, None, :end] >= pad[:, None, None]) & (slot[None, None, :end] <= q_slot[None, :, None])
+            mask |= slot[None, None, :end] == q_slot[None, :, None]  # padding queries see themselves: no NaN
+            logits = self._forward(
+                input_ids[:, start:end], position_ids[:, start:end], mask[:, None], logits_to_keep=1, observe=True
+            )
+        self.cache.end_prefill(prompt)
+        first_logits = logits[:, -1].float()
+        rows = torch.arange(batch, device=device)
+        seq_len = torch.full((batch,), prompt, device=device, dtype=torch.long)  # [B] tokens incl. pending
+        scores = rb.process(rows, seq_len, first_logits[:, None])[:, 0]
+        first = torch.multinomial(torch.softmax(scores, -1), 1).squeeze(1) if self.do_sample else scores.argmax(-1)
+        self.cache.build_draft_views(self.view, config, prompt, max_new)
+        _profile_sync(device)
+        stats.prefill_seconds = time.perf_counter() - t0
+
+        # ---------------- decode
+        t_decode = time.perf_counter()
+        cap = torch.full((batch,), prompt + max_new, device=device, dtype=torch.long)
+        done_all = torch.zeros(batch, dtype=torch.bool, device=device)
+        flagged_len = torch.full((batch,), -1, device=device, dtype=torch.long)
+        new_tokens = first[:, None]
+        step_scores, step_logits = scores[:, None], first_logits[:, None]
+        num_new = torch.ones(batch, device=device, dtype=torch.long)
+        while True:
+            # Emit this step's tokens (first token, or a verification's accepted + 1), stop rows.
+            keep, finished = self._emit(rb, rows, seq_len, new_tokens, num_new, cap, eos, flagged_len, done_all)
+            for r, (orig, k) in enumerate(zip(rows.tolist(), keep.tolist())):
+                if want_scores:
+                    row_scores[orig].extend(step_scores[r, :k].unbind(0))
+                if want_logits:
+                    row_logits[orig].extend(step_logits[r, :k].unbind(0))
+            if self.streamer is not None and keep.numel():
+                self.streamer.put(new_tokens[0, : int(keep[0])].cpu())
+            # `cap` can shrink below a row's length (stock semantics without an EOS criterion).
+            seq_len[rows] = torch.minimum(seq_len[rows] + keep, cap[rows])
+            if stats.steps > 0:  # the cache already holds verified KV; keep pending + accepted
+                self.cache.commit(num_new)
+            alive = ~finished
+            if not bool(alive.any()):
+                break
+            if not bool(alive.all()):
+                keep_idx = alive.nonzero().squeeze(1)
+                rows = rows[keep_idx]
+                self.cache.select_rows(keep_idx)
+            pending = rb.tokens[rows, seq_len[rows] - 1]
+
+            # Draft gamma tokens on the draft view.
+            t_step = time.perf_counter()
+            drafts, draft_probs = self._draft(rb, rows, seq_len[rows], pending)
+            _profile_sync(device)
+            t_mid = time.perf_counter()
+            # Verify gamma + 1 tokens on the full cache.
+            target_logits = self._verify(pending, drafts)
+            target_scores = rb.process(rows, seq_len[rows], target_logits)
+            if self.do_sample:
+                accepted, nxt = rejection_sample(drafts, draft_probs, torch.softmax(target_scores, dim=-1))
+            else:
+                accepted, nxt = greedy_verify(drafts, target_scores)
+            _profile_sync(device)
+            stats.draft_seconds += t_mid - t_step
+            stats.verify_seconds += time.perf_counter() - t_mid
+            stats.steps += 1
+            for orig, n in zip(rows.tolist(), accepted.tolist()):
+                stats.accepted_lengths[orig].append(n)
+            new_tokens = torch.cat([drafts, nxt[:, None]], dim=1)
+            new_tokens.scatter_(1, accepted[:, None], nxt[:, None])  # [b, gamma+1]; first n+1 are real
+            num_new = accepted + 1
+            step_scores, step_logits = target_scores, target_logits
+        _profile_sync(device)
+        stats.decode_seconds = time.perf_counter() - t_decode
+        if self.streamer is not None:
+            self.streamer.end()
+        return self._finish(rb, seq_len, prompt, pad_id, stats, row_scores, row_logits)
+
+    def _emit(self, rb, rows, seq_len, new_tokens, num_new, cap, eos, flagged_len, done_all):
+        """Write each row's new tokens, apply stopping criteria in token order, and decide which
+        rows are finished. Returns ``(keep [b], finished [b])``."""
+        ctx = seq_len[rows]
+        width = new_tokens.shape[1]
+        j = torch.arange(width, device=new_tokens.device)
+        valid = j[None, :] < num_new[:, None]
+        # Write all candidates (slots past num_new are scratch and get overwritten later).
+        cols = ctx[:, None] + j[None, :]
+        rb.tokens[rows[:, None], cols] = new_tokens
+        keep = num_new.clone()
+        stop = torch.zeros_like(valid[:, 0])
+        if eos is not None:
+            is_eos = torch.isin(new_tokens, eos) & valid
+            has = is_eos.any(dim=1)
+            first = torch.where(has, is_eos.long().argmax(dim=1) + 1, keep)
+            keep = torch.minimum(keep, first)
+            stop |= has & rb.has_eos_criteria
+            flag_eos = has
+        else:
+            flag_eos = torch.zeros_like(stop)
+        generic_keep, generic_fired = rb.stopped(rows, ctx, keep)
+        fired_generic = generic_fired & (generic_keep <= keep)
+        keep = torch.where(fired_generic, generic_keep, keep)
+        # The EOS only counts if it is still within the kept tokens.
+        flag_eos = flag_eos & (~fired_generic | (first <= generic_keep)) if eos is not None else flag_eos
+        room = cap[rows] - ctx
+        at_cap = keep >= room
+        keep = torch.minimum(keep, room)
+        flagged = fired_generic | flag_eos
+        if rb.has_eos_criteria:
+            finished = flagged | at_cap
+        else:
+            # Stock `generate` without an EOS criterion keeps generating flagged rows until every
+            # row is flagged, then cuts all rows to the longest flagged length.
+            new_flag = flagged & (flagged_len[rows] < 0)
+            flagged_len[rows] = torch.where(new_flag, ctx + keep, flagged_len[rows])
+            done_all[rows] |= at_cap
+            if bool(((flagged_len >= 0) | done_all).all()):
+                target = int(torch.where(flagged_len >= 0, flagged_len, cap).max())
+                cap.clamp_(max=target)
+                room = cap[rows] - ctx
+                keep = torch.clamp(torch.minimum(keep, room), min=0)
+                at_cap = keep >= room
+            finished = at_cap
+        return keep, finished
+
+    def _draft(self, rb, rows, seq_len_rows, pending):
+        """gamma single-token forwards on the draft view. Returns ``drafts [b, gamma]`` and, when
+        sampling, ``draft_probs [b, gamma, V]``."""
+        cache = self.cache
+        pad = cache.pad
+        base_valid = cache.draft_valid()  # [b, Ks + W]
+        ones = torch.ones((base_valid.shape[0], self.config.gamma), dtype=torch.bool, device=base_valid.device)
+        tok = pending[:, None]
+        drafts, probs = [], []
+        for i in range(self.config.gamma):
+            cache.begin_draft(i)
+            mask = torch.cat([base_valid, ones[:, : i + 1]], dim=1)[:, None, None, :]
+            positions = (cache.lengths - pad + i)[:, None]
+            logits = self._forward(tok, positions, mask, logits_to_keep=1)[:, -1].float()
+            scores = rb.process(rows, seq_len_rows + i, logits[:, None])[:, 0]
+            if self.do_sample:
+                p = torch.softmax(scores, dim=-1)
+                d = torch.multinomial(p, 1).squeeze(1)
+                probs.append(p)
+            else:
+                d = scores.argmax(dim=-1)
+            rb.tokens[rows, seq_len_rows + i] = d  # later draft steps' processors see it
+            drafts.append(d)
+            tok = d[:, None]
+        return torch.stack(drafts, dim=1), (torch.stack(probs, dim=1) if probs else None)
+
+    def _verify(self, pending, drafts):
+        """One forward of ``[pending, d_1 … d_gamma]`` per row at its own offset; ``[b, gamma+1, V]``."""
+        cache = self.cache
+        q = drafts.shape[1] + 1
+        cache.begin_verify(q)
+        kv_len = cache.verify_kv_length(q)
+        key = torch.arange(kv_len, device=pending.device)
+        query = cache.lengths[:, None] + torch.arange(q, device=pending.device)  # [b, q] slots
+        mask = (key[None, None, :] >= cache.pad[:, None, None]) & (key[None, None, :] <= query[:, :, None])
+        positions = query - cache.pad[:, None]
+        ids = torch.cat([pending[:, None], drafts], dim=1)
+        return self._forward(ids, positions, mask[:, None], logits_to_keep=0).float()
+
+    def _finish(self, rb, seq_len, prompt, pad_id, stats, row_scores, row_logits):
+        total = int(seq_len.max())
+        sequences = rb.tokens[:, :total].clone()
+        cols = torch.arange(total, device=sequences.device)
+        sequences[cols[None, :] >= seq_len[:, None]] = pad_id
+        if not self.gen.return_dict_in_generate:
+            return sequences
+        steps = total - prompt
+
+        def assemble(per_row):
+            if not any(per_row) or steps == 0:
+                return None
+            vocab = next(t for r in per_row for t in r).shape[-1]
+            ref = next(t for r in per_row for t in r)
+            out = []
+            for k in range(steps):
+                col = ref.new_full((len(per_row), vocab), float("-inf"))
+                for b, r in enumerate(per_row):
+                    if k < len(r):
+                        col[b] = r[k]
+                out.append(col)
+            return tuple(out)
+
+        return MagicDecOutput(
+            sequences=sequences,
+            scores=assemble(row_scores) if self.gen.output_scores else None,
+            logits=assemble(row_logits) if self.gen.output_logits else None,
+            past_key_values=None,
+            speculation=stats,
+        )
+
+
+def _left_padding(attention_mask, batch: int, device) -> torch.Tensor:
+    """``[B]`` left-padding lengths; refuses right padding and holes (they would be silently wrong)."""
+    if attention_mask is None:
+        return torch.zeros(batch, dtype=torch.long, device=device)
+    mask = attention_mask.to(device).long()
+    if mask.shape[1] > 1 and bool((mask[:, 1:] < mask[:, :-1]).any()):
+        raise ValueError(
+            "speculative='magicdec' needs left padding (attention_mask rows of the form 0…0 1…1); got right "
+            "padding or holes. Use tokenizer.padding_side = 'left'."
+        )
+    return (mask == 0).sum(dim=1)
+
+
+def _needs_mask_dict(config) -> bool:
+    """Hybrid models index their mask by layer type."""
+    return "sliding_attention" in (getattr(config, "layer_types", None) or [])

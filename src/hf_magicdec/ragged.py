@@ -1,0 +1,116 @@
+"""Logits processors and stopping criteria on ragged rows, exactly as stock ``generate`` calls them.
+
+HF's processors and criteria take a rectangular ``input_ids [batch, length]`` and may hold
+batch-indexed or length-dependent state (prompt length of ``min_new_tokens``, the batch id of
+``prefix_allowed_tokens_fn``, n-gram tables …). Rows here have different lengths, so for every
+distinct context length ``L`` we call them once on the *full original batch* truncated to ``L``
+and keep the rows whose context really has length ``L``. Rows not involved in a call see a
+prefix of their own tokens; their outputs are discarded. With no processor at all (plain greedy)
+nothing is called.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria
+
+
+class RaggedBatch:
+    """Token history of every row of the original batch, and the processors/criteria to run.
+
+    Parameters
+    ----------
+    input_ids : ``[B, P]`` the (left-padded) prompts.
+    capacity : total slots per row (prompt + new tokens + gamma + 1).
+    logits_processor, stopping_criteria : HF's prepared lists.
+    pad_token_id : fill value of unused slots (any token id works; outputs re-pad).
+    """
+
+    def __init__(self, input_ids, capacity, logits_processor, stopping_criteria, pad_token_id):
+        batch, prompt = input_ids.shape
+        self.tokens = input_ids.new_full((batch, capacity), pad_token_id)  # [B, capacity]
+        self.tokens[:, :prompt] = input_ids
+        self.processors = logits_processor if logits_processor is not None else []
+        criteria = list(stopping_criteria) if stopping_criteria is not None else []
+        self.generic_criteria = [c for c in criteria if not isinstance(c, (MaxLengthCriteria, EosTokenCriteria))]
+        self.has_eos_criteria = any(hasattr(c, "eos_token_id") for c in criteria)
+
+    def process(self, rows: torch.Tensor, context_len: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+        """Apply the logits processors at ragged positions.
+
+        Parameters
+        ----------
+        rows : ``[b]`` indices into the original batch.
+        context_len : ``[b]`` tokens before position 0 of each row (``self.tokens[row, :len]``).
+            Position ``j`` of a row sees the context ``tokens[row, :len + j]``, so draft tokens
+            must already be written at ``tokens[row, len:len + j]``.
+        logits : ``[b, n, V]`` float logits.
+
+        Returns
+        -------
+        ``[b, n, V]`` processed scores.
+        """
+        if len(self.processors) == 0:
+            return logits
+        b, n, vocab = logits.shape
+        out = torch.empty_like(logits)
+        lengths = context_len[:, None] + torch.arange(n, device=context_len.device)  # [b, n]
+        lengths_host = lengths.tolist()
+        by_length: dict[int, list[tuple[int, int]]] = {}
+        for r, per_row in enumerate(lengths_host):
+            for j, length in enumerate(per_row):
+                by_length.setdefault(length, []).append((r, j))
+        full_batch = self.tokens.shape[0]
+        for length, pairs in sorted(by_length.items()):
+            local = torch.tensor([r for r, _ in pairs], device=logits.device)
+            pos = torch.tensor([j for _, j in pairs], device=logits.device)
+            global_rows = rows[local]
+            scores = logits.new_zeros((full_batch, vocab))
+            scores[global_rows] = logits[local, pos]
+            processed = self.processors(self.tokens[:, :length], scores)
+            out[local, pos] = processed[global_rows]
+        return out
+
+    def stopped(
+        self, rows: torch.Tensor, context_len: torch.Tensor, num_new: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Where the *generic* stopping criteria fire among each row's new tokens.
+
+        The new tokens must already be written at ``tokens[row, len:len + num_new]``. EOS and
+        max-length are handled by the engine directly; this runs the rest (stop strings, max
+        time, user criteria), in token order, as stock ``generate`` would after each token.
+
+        Returns
+        -------
+        keep : ``[b]`` long, new tokens up to and including the one after which a criterion
+            fired (``num_new`` where none fired).
+        fired : ``[b]`` bool.
+        """
+        keep = num_new.clone()
+        fired_rows = torch.zeros_like(num_new, dtype=torch.bool)
+        if not self.generic_criteria:
+            return keep, fired_rows
+        ctx = context_len.tolist()
+        counts = num_new.tolist()
+        rows_host = rows.tolist()
+        by_length: dict[int, list[tuple[int, int]]] = {}
+        for r, (c, k) in enumerate(zip(ctx, counts)):
+            for j in range(k):
+                by_length.setdefault(c + j + 1, []).append((r, j))
+        first: list[int | None] = [None] * len(counts)
+        for length, pairs in sorted(by_length.items()):
+            pending = [(r, j) for r, j in pairs if first[r] is None]
+            if not pending:
+                continue
+            fired = torch.zeros(self.tokens.shape[0], dtype=torch.bool, device=self.tokens.device)
+            for criterion in self.generic_criteria:
+                fired |= criterion(self.tokens[:, :length], None).to(fired.device)
+            fired_host = fired.tolist()
+            for r, j in pending:
+                if fired_host[rows_host[r]]:
+                    first[r] = j
+        for r, j in enumerate(first):
+            if j is not None:
+                keep[r] = j + 1
+                fired_rows[r] = True
+        return keep, fired_rows

@@ -1,0 +1,99 @@
+"""The reversible ``speculative=`` routing around ``GenerationMixin.generate``.
+
+Calls that do not ask for speculation go to the original ``generate`` untouched (same
+arguments, same signature). Calls with ``speculative=...`` (or a generation config carrying a
+``speculative`` attribute, e.g. from a model's ``generation_config.json``) go to the original
+``generate`` with ``custom_generate=hf_magicdec.generate``, forwarding what HF does not hand to
+custom callables (streamer, synced_gpus) under our own names.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import os
+from typing import Any
+
+from transformers.generation.utils import GenerationMixin
+
+from .config import MagicDecConfig
+from .validation import check_route_kwargs
+
+_original_generate = None
+_OPTION_NAMES = ("draft", "draft_budget", "gamma", "sink_tokens", "window")
+_OFF = (None, False, "", "none", "off")
+
+
+def is_enabled() -> bool:
+    """Whether ``model.generate(speculative=...)`` is currently routed."""
+    return getattr(GenerationMixin.generate, "_hf_magicdec_routing", False)
+
+
+def enable() -> None:
+    """Install the routing (idempotent). ``import hf_magicdec`` calls it unless the environment
+    variable ``HF_MAGICDEC_NO_PATCH=1`` is set."""
+    global _original_generate
+    if is_enabled():
+        return
+    original = GenerationMixin.generate
+    _original_generate = original
+    signature = inspect.signature(original)
+
+    @functools.wraps(original)
+    def generate(self, *args, **kwargs):
+        spec = _requested(self, args, kwargs, signature)
+        if spec in _OFF:
+            kwargs.pop("speculative", None)
+            return original(self, *args, **kwargs)
+        return _route(self, original, signature, spec, args, kwargs)
+
+    generate._hf_magicdec_routing = True
+    GenerationMixin.generate = generate
+
+
+def disable() -> None:
+    """Remove the routing and restore transformers' own ``generate`` (idempotent)."""
+    if is_enabled() and _original_generate is not None:
+        GenerationMixin.generate = _original_generate
+
+
+def _requested(model, args, kwargs, signature) -> Any:
+    if "speculative" in kwargs:
+        return kwargs["speculative"]
+    generation_config = kwargs.get("generation_config")
+    if generation_config is None and len(args) >= 2:
+        generation_config = args[1]
+    for cfg in (generation_config, getattr(model, "generation_config", None)):
+        spec = getattr(cfg, "speculative", None) if cfg is not None else None
+        if spec is not None:
+            return spec
+    return None
+
+
+def _route(model, original, signature, spec, args, kwargs):
+    from .generation import generate as engine
+
+    bound = signature.bind_partial(model, *args, **kwargs)
+    call = dict(bound.arguments)
+    call.pop("self", None)
+    call.update(call.pop("kwargs", {}))
+    call.pop("speculative", None)
+    custom = call.get("custom_generate")
+    if custom is not None and custom is not engine:
+        raise ValueError(f"speculative={spec!r} cannot be combined with custom_generate={custom!r}.")
+    check_route_kwargs(call)
+    options = {name: call.pop(name) for name in _OPTION_NAMES if name in call}
+    # Validated here, before HF prepares anything or the model runs.
+    config = MagicDecConfig.from_any(spec, **options)
+    call["custom_generate"] = engine
+    call["magicdec_config"] = config
+    if call.get("streamer") is not None:
+        call["magicdec_streamer"] = call.pop("streamer")
+    if call.get("synced_gpus") is not None:
+        call["magicdec_synced_gpus"] = call.pop("synced_gpus")
+    return original(model, **call)
+
+
+def _install_on_import() -> None:
+    if os.environ.get("HF_MAGICDEC_NO_PATCH", "").lower() not in ("1", "true", "yes"):
+        enable()

@@ -1,0 +1,85 @@
+"""SnapKV draft view (Li et al., 2024, arXiv 2404.14469).
+
+Per layer and KV head, score every earlier prompt token by the attention it receives from the
+last ``window`` prompt queries (the observation window), then keep the top ``draft_budget -
+window`` plus the window itself. Differences from MagicDec's reference code, on purpose:
+scores use the model's 1/√d scale, the causal mask inside the window is exact for any GQA
+ratio (MHA included), and query heads sharing a KV head are aggregated by summation.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .base import DraftView, ScoreContext
+
+
+def snapkv_scores(
+    queries: torch.Tensor, keys: torch.Tensor, valid: torch.Tensor, scaling: float, pool_kernel: int
+) -> torch.Tensor:
+    """SnapKV token scores.
+
+    Parameters
+    ----------
+    queries : ``[batch, heads, window, head_dim]`` queries of the last ``window`` prompt slots.
+    keys : ``[batch, kv_heads, slots, head_dim]`` prompt keys; ``heads % kv_heads == 0``.
+    valid : ``[batch, slots]`` bool, real (non-padding) prompt slots.
+    scaling : softmax scale.
+    pool_kernel : odd width of the average pooling along the key axis.
+
+    Returns
+    -------
+    ``[batch, kv_heads, slots]`` float32 scores (probability mass received, pooled, summed over
+    the window queries and over the query heads of each KV head).
+    """
+    batch, heads, window, head_dim = queries.shape
+    kv_heads, slots = keys.shape[1], keys.shape[2]
+    group = heads // kv_heads
+    # Fold the query heads of each KV head into the query axis: no KV copy for GQA.
+    q = queries.float().reshape(batch, kv_heads, group * window, head_dim)
+    logits = torch.matmul(q, keys.float().transpose(-1, -2)) * scaling  # [B, Hkv, g*w, S]
+    # Window query i sits at slot slots - window + i and sees keys up to and including itself.
+    query_slot = slots - window + torch.arange(window, device=keys.device).repeat(group)  # [g*w]
+    key_slot = torch.arange(slots, device=keys.device)
+    allowed = key_slot[None, :] <= query_slot[:, None]  # [g*w, S]
+    allowed = allowed[None, None] & valid[:, None, None, :]  # [B, 1, g*w, S]
+    logits = logits.masked_fill(~allowed, float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    # Padding queries (rows shorter than the window) see no key: their softmax is NaN; drop them.
+    query_valid = valid[:, query_slot]  # [B, g*w]
+    probs = torch.where(query_valid[:, None, :, None], probs, torch.zeros((), device=probs.device))
+    scores = probs.sum(dim=2)  # [B, Hkv, S]
+    if pool_kernel > 1:
+        scores = F.avg_pool1d(
+            scores.reshape(batch * kv_heads, 1, slots), kernel_size=pool_kernel, stride=1, padding=pool_kernel // 2
+        ).reshape(batch, kv_heads, slots)
+    return scores
+
+
+class SnapKVView(DraftView):
+    """Observation-window scoring, pooling, group aggregation and top-k, plus a recent window."""
+
+    name = "snapkv"
+
+    def check_config(self, config) -> None:
+        if config.draft_budget <= config.window:
+            raise ValueError(
+                f"snapkv needs draft_budget > window, got {config.draft_budget=} and {config.window=}."
+            )
+        super().check_config(config)
+
+    def static_slots(self, config, prompt_len: int) -> int:
+        return config.draft_budget - config.window
+
+    def window_slots(self, config, prompt_len: int, max_new_tokens: int) -> int:
+        return config.window
+
+    def observation_window(self, config) -> int:
+        return config.window
+
+    def score(self, ctx: ScoreContext) -> torch.Tensor:
+        if ctx.queries is None:
+            raise RuntimeError("snapkv scoring needs the observation-window queries; none were recorded.")
+        window = min(ctx.queries.shape[2], ctx.keys.shape[2])
+        return snapkv_scores(ctx.queries[:, :, -window:], ctx.keys, ctx.valid, ctx.scaling, ctx.config.pool_kernel)
