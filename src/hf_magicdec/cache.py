@@ -105,7 +105,8 @@ class MagicDecCache(Cache):
         self.static_slots = 0  # Ks
         self.window_slots = 0  # W
         self.gamma = 0
-        self.static_count: torch.Tensor | None = None  # [B] valid static slots per row
+        self.static_count: torch.Tensor | None = None  # [B] static slots in use per row (sc)
+        self.ring_size: torch.Tensor | None = None  # [B] rolling-window slots per row (Ks + W - sc)
         self.ring_ptr: torch.Tensor | None = None  # [B] tokens ever written to the window
         self.observation_window = 0
 
@@ -198,10 +199,12 @@ class MagicDecCache(Cache):
     def build_draft_views(self, view: DraftView, config: "MagicDecConfig", prompt_slots: int, max_new_tokens: int):
         """Select every layer's draft view from the prefilled prompt.
 
-        Per row, with ``n`` real prompt tokens, the rolling window starts with the last
-        ``min(W, n - min(Ks, n))`` tokens and the static part selects up to ``Ks`` of the tokens
-        before them, so no token is ever in the view twice and a prompt shorter than the
-        budget is kept whole.
+        The view of row ``b`` has ``Ks + W`` slots. With ``n`` real prompt tokens, the static part
+        keeps ``sc = min(Ks, n)`` tokens and the rest, ``Wb = Ks + W - sc`` slots, is the rolling
+        window, which starts with the last ``min(n - sc, Wb)`` prompt tokens; the static part is
+        selected among the tokens before those. So no token is ever in the view twice, a prompt
+        shorter than the budget is kept whole, and budget the prompt does not use goes to the
+        window.
         """
         self.view = view
         self.gamma = config.gamma
@@ -210,21 +213,24 @@ class MagicDecCache(Cache):
         self.static_slots, self.window_slots = ks, w
         device = self.lengths.device
         n_valid = prompt_slots - self.pad  # [B]
-        ring_init = torch.clamp(n_valid - torch.clamp(n_valid, max=ks), max=w)  # [B]
+        self.static_count = torch.clamp(n_valid, max=ks)  # [B] sc
+        self.ring_size = ks + w - self.static_count  # [B] Wb >= W
+        ring_init = torch.minimum(n_valid - self.static_count, self.ring_size)  # [B]
         region = n_valid - ring_init  # [B] candidates for the static part
-        self.static_count = torch.clamp(region, max=ks)
         self.ring_ptr = ring_init.clone()
         slot = torch.arange(prompt_slots, device=device)
         valid = slot[None, :] >= self.pad[:, None]  # [B, P]
         candidate = valid & (slot[None, :] < (self.pad + region)[:, None])
-        ring_src = (prompt_slots - ring_init)[:, None] + torch.arange(w, device=device)[None, :]
-        ring_src = ring_src.clamp(max=max(prompt_slots - 1, 0))  # [B, W]; slots past ring_init are masked
+        view_slot = torch.arange(ks + w, device=device)[None, :]  # [1, Ks+W]
+        ring_src = (prompt_slots - ring_init)[:, None] + (view_slot - self.static_count[:, None])
+        ring_src = ring_src.clamp(min=0, max=max(prompt_slots - 1, 0))  # [B, Ks+W]; unfilled slots are masked
+        is_static = view_slot < self.static_count[:, None]  # [B, Ks+W]
         for layer in self.layers:
-            self._build_layer_view(layer, view, config, prompt_slots, valid, candidate, ring_src)
+            self._build_layer_view(layer, view, config, prompt_slots, valid, candidate, ring_src, is_static)
             layer.observed_queries = None
         self._mode = None
 
-    def _build_layer_view(self, layer, view, config, prompt_slots, valid, candidate, ring_src) -> None:
+    def _build_layer_view(self, layer, view, config, prompt_slots, valid, candidate, ring_src, is_static) -> None:
         keys, values = layer.keys, layer.values
         dev = keys.device
         batch, kv_heads, _, head_dim = keys.shape
@@ -232,7 +238,11 @@ class MagicDecCache(Cache):
         total = ks + w + self.gamma + 1
         layer.draft_keys = keys.new_zeros((batch, kv_heads, total, head_dim))
         layer.draft_values = values.new_zeros((batch, kv_heads, total, values.shape[-1]))
-        if ks > 0 and prompt_slots > 0:
+        if prompt_slots == 0:
+            return
+        source = ring_src.to(dev)[:, None, :].expand(-1, kv_heads, -1).clone()  # [B, Hkv, Ks+W]
+        k = min(ks, prompt_slots)
+        if k > 0:
             ctx = ScoreContext(
                 keys=keys[:, :, :prompt_slots],
                 valid=valid.to(dev),
@@ -242,26 +252,19 @@ class MagicDecCache(Cache):
             )
             scores = view.score(ctx).float()  # [B, Hkv, P]
             scores = scores.masked_fill(~candidate.to(dev)[:, None, :], float("-inf"))
-            k = min(ks, prompt_slots)
-            idx = torch.topk(scores, k, dim=-1, sorted=True).indices  # [B, Hkv, k], candidates first
-            layer.draft_keys[:, :, :k] = torch.gather(keys, 2, idx[..., None].expand(-1, -1, -1, head_dim))
-            layer.draft_values[:, :, :k] = torch.gather(
-                values, 2, idx[..., None].expand(-1, -1, -1, values.shape[-1])
-            )
-        if w > 0 and prompt_slots > 0:
-            src = ring_src.to(dev)[:, None, :, None]
-            layer.draft_keys[:, :, ks : ks + w] = torch.gather(keys, 2, src.expand(-1, kv_heads, -1, head_dim))
-            layer.draft_values[:, :, ks : ks + w] = torch.gather(
-                values, 2, src.expand(-1, kv_heads, -1, values.shape[-1])
-            )
+            picked = torch.topk(scores, k, dim=-1, sorted=True).indices  # [B, Hkv, k], candidates first
+            static = is_static.to(dev)[:, None, :k]
+            source[:, :, :k] = torch.where(static, picked, source[:, :, :k])
+        layer.draft_keys[:, :, : ks + w] = torch.gather(keys, 2, source[..., None].expand(-1, -1, -1, head_dim))
+        layer.draft_values[:, :, : ks + w] = torch.gather(
+            values, 2, source[..., None].expand(-1, -1, -1, values.shape[-1])
+        )
 
     def draft_valid(self) -> torch.Tensor:
-        """``[B, Ks + W]`` bool: which static and window slots of the draft view hold a token."""
-        device = self.lengths.device
-        static = torch.arange(self.static_slots, device=device)[None, :] < self.static_count[:, None]
-        filled = torch.clamp(self.ring_ptr, max=self.window_slots)
-        ring = torch.arange(self.window_slots, device=device)[None, :] < filled[:, None]
-        return torch.cat([static, ring], dim=1)
+        """``[B, Ks + W]`` bool: which slots of the draft view hold a token."""
+        view_slot = torch.arange(self.static_slots + self.window_slots, device=self.lengths.device)[None, :]
+        filled = self.static_count + torch.minimum(self.ring_ptr, self.ring_size)
+        return view_slot < filled[:, None]
 
     # ------------------------------------------------------------------ commit / rows
     def commit(self, num_tokens: torch.Tensor) -> None:
@@ -277,7 +280,7 @@ class MagicDecCache(Cache):
             q = self._q
             j = torch.arange(q, device=self.lengths.device)
             src = (self.lengths[:, None] + j).clamp(max=self.capacity - 1)  # [B, q]
-            ring = self.static_slots + (self.ring_ptr[:, None] + j) % self.window_slots
+            ring = self.static_count[:, None] + (self.ring_ptr[:, None] + j) % self.ring_size[:, None]
             trash = self.static_slots + self.window_slots + self.gamma
             dst = torch.where(j[None, :] < num_tokens[:, None], ring, torch.full_like(ring, trash))
             for layer in self.layers:
@@ -303,6 +306,7 @@ class MagicDecCache(Cache):
         self.lengths = self.lengths.index_select(0, rows)
         if self.static_count is not None:
             self.static_count = self.static_count.index_select(0, rows)
+            self.ring_size = self.ring_size.index_select(0, rows)
             self.ring_ptr = self.ring_ptr.index_select(0, rows)
         for layer in self.layers:
             if not layer.is_initialized:

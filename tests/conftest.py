@@ -1,0 +1,95 @@
+"""Shared fixtures: offline environment and tiny random-weight models of several architectures."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import pytest
+import torch
+from transformers import (
+    LlamaConfig,
+    LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+)
+
+import hf_magicdec  # noqa: F401  (installs the routing)
+
+torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+
+VOCAB = 128
+PAD, BOS, EOS = 0, 1, 2
+
+# name -> (class, config kwargs): GQA ratios 3 (Llama), 7 (Qwen2) and 1 (Mistral, i.e. MHA).
+ARCHS = {
+    "llama-gqa3": (
+        LlamaForCausalLM,
+        LlamaConfig,
+        dict(hidden_size=96, intermediate_size=160, num_attention_heads=6, num_key_value_heads=2),
+    ),
+    "qwen2-gqa7": (
+        Qwen2ForCausalLM,
+        Qwen2Config,
+        dict(hidden_size=112, intermediate_size=160, num_attention_heads=7, num_key_value_heads=1),
+    ),
+    "mistral-mha": (
+        MistralForCausalLM,
+        MistralConfig,
+        dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=4, sliding_window=None),
+    ),
+}
+
+
+def make_model(arch: str, seed: int = 0, layers: int = 2, **overrides):
+    model_cls, config_cls, kwargs = ARCHS[arch]
+    torch.manual_seed(seed)
+    settings = dict(
+        vocab_size=VOCAB,
+        num_hidden_layers=layers,
+        max_position_embeddings=1024,
+        pad_token_id=PAD,
+        bos_token_id=BOS,
+        eos_token_id=EOS,
+        **kwargs,
+    )
+    config = config_cls(**{**settings, **overrides})
+    model = model_cls(config).eval()
+    # Random weights give near-uniform logits; sharpen them so argmax is well separated and
+    # the draft has something to agree with (acceptance far from 0).
+    with torch.no_grad():
+        model.lm_head.weight.mul_(8.0)
+    model.generation_config.pad_token_id = PAD
+    model.generation_config.eos_token_id = EOS
+    model.generation_config.do_sample = False
+    return model
+
+
+@pytest.fixture(scope="session")
+def tiny_models():
+    cache = {}
+
+    def get(arch: str):
+        if arch not in cache:
+            cache[arch] = make_model(arch)
+        return cache[arch]
+
+    return get
+
+
+def ragged_prompts(batch: int, length: int, seed: int = 0, min_len: int | None = None):
+    """Left-padded prompts of different lengths: ``(input_ids [B, length], attention_mask)``."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, VOCAB, (batch, length), generator=g)
+    mask = torch.ones_like(ids)
+    min_len = min_len if min_len is not None else max(1, length // 3)
+    for b in range(1, batch):
+        real = int(torch.randint(min_len, length + 1, (1,), generator=g))
+        mask[b, : length - real] = 0
+    ids[mask == 0] = PAD
+    return ids, mask
