@@ -12,7 +12,7 @@ from .cache import MagicDecCache
 from .config import MagicDecConfig
 from .generation import generate
 from .outputs import MagicDecOutput, SpeculationStats
-from .routing import disable, enable, is_enabled
+from .routing import disable, enable, is_enabled, set_default_speculation
 from .views import DraftView, available_views, register_view
 
 __version__ = "0.1.0"
@@ -29,6 +29,7 @@ __all__ = [
     "generate",
     "is_enabled",
     "register_view",
+    "set_default_speculation",
 ]
 
 from .routing import _install_on_import

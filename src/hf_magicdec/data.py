@@ -19,6 +19,7 @@ import importlib.util
 import logging
 import os
 import re
+import sys
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
@@ -39,6 +40,13 @@ def _hub_offline() -> bool:
         os.environ.get(var, "").strip().lower() in _TRUE
         for var in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE")
     )
+
+
+def _installed(name: str) -> bool:
+    try:
+        return importlib.util.find_spec(name) is not None
+    except (ImportError, ValueError):  # e.g. a module in sys.modules without __spec__
+        return name in sys.modules
 
 
 # --------------------------------------------------------------------------- sources
@@ -112,13 +120,15 @@ def _files(pattern: str) -> tuple[tuple[str, str], ...]:
     )
 
 
-@functools.lru_cache(maxsize=8)
+@functools.lru_cache(maxsize=4)
+def _cached(source: str) -> tuple[tuple[str, str], ...]:
+    return _shakespeare() if source == "shakespeare" else _pg19()
+
+
 def _load(source: str) -> tuple[tuple[str, str], ...]:
-    if source == "shakespeare":
-        return _shakespeare()
-    if source == "pg19":
-        return _pg19()
-    if source.startswith("files:"):
+    if source in ("shakespeare", "pg19"):  # packaged / downloaded: read once per process
+        return _cached(source)
+    if source.startswith("files:"):  # user files may change: read every time
         return _files(source[len("files:"):])
     raise ValueError(f"unknown text source {source!r}; expected one of {SOURCES}")
 
@@ -160,7 +170,11 @@ def long_texts(source: str = "auto") -> list[tuple[str, str]]:
         Unknown source.
     """
     if source == "auto":
-        if not _hub_offline() and importlib.util.find_spec("datasets") is not None:
+        if _hub_offline():
+            logger.debug("Hub marked offline: using the Shakespeare corpus")
+        elif not _installed("datasets"):
+            logger.info("'datasets' not installed: using the Shakespeare corpus instead of pg19")
+        else:
             try:
                 return list(_load("pg19"))
             except Exception as exc:  # network, hub or dataset errors: fall back

@@ -21,6 +21,7 @@ import time
 from typing import Any
 
 import torch
+from transformers.generation.stopping_criteria import StopStringCriteria, StoppingCriteriaList
 
 from . import attention
 from .cache import MagicDecCache
@@ -48,9 +49,13 @@ def generate(
     draft_budget: int | None = None,
     gamma: int | None = None,
     sink_tokens: int | None = None,
+    window: int | None = None,
+    pool_kernel: int | None = None,
     magicdec_config: MagicDecConfig | None = None,
     magicdec_streamer=None,
     magicdec_synced_gpus: bool | None = None,
+    magicdec_stop_strings: str | list[str] | None = None,
+    magicdec_tokenizer=None,
     **model_kwargs,
 ):
     """Self-speculative (MagicDec) decoding, called by ``GenerationMixin.generate``.
@@ -66,10 +71,11 @@ def generate(
     input_ids : ``[B, P]`` left-padded prompts (already expanded for ``num_return_sequences``).
     logits_processor, stopping_criteria, generation_config : as prepared by ``generate``.
     tokenizer : enables ``stop_strings`` (``generate`` builds the criterion from it).
-    speculative, draft, draft_budget, gamma, sink_tokens, magicdec_config :
+    speculative, draft, draft_budget, gamma, sink_tokens, window, pool_kernel, magicdec_config :
         MagicDec settings (see :class:`~hf_magicdec.MagicDecConfig`); explicit values win.
-    magicdec_streamer, magicdec_synced_gpus : streamer / ``synced_gpus`` forwarded by the
-        ``speculative=`` routing (``generate`` does not hand them to custom callables).
+    magicdec_streamer, magicdec_synced_gpus, magicdec_stop_strings, magicdec_tokenizer :
+        streamer, ``synced_gpus``, ``stop_strings`` and tokenizer forwarded by the ``speculative=``
+        routing (``generate`` does not hand them to custom callables).
     **model_kwargs : ``attention_mask`` ``[B, P]`` or None, ``position_ids``, the empty cache …
 
     Returns
@@ -88,11 +94,21 @@ def generate(
         draft_budget=draft_budget,
         gamma=gamma,
         sink_tokens=sink_tokens,
+        window=window,
+        pool_kernel=pool_kernel,
     )
     streamer = magicdec_streamer if magicdec_streamer is not None else streamer
     synced = magicdec_synced_gpus if magicdec_synced_gpus is not None else synced_gpus
     if synced:
         raise NotImplementedError("synced_gpus=True (ZeRO-3 / FSDP) is not supported by speculative='magicdec' yet.")
+    if magicdec_stop_strings:
+        if magicdec_tokenizer is None:
+            raise ValueError(
+                "There are one or more stop strings, but no tokenizer: pass the model's tokenizer to `generate` "
+                "as `tokenizer=`."
+            )
+        stopping_criteria = StoppingCriteriaList(list(stopping_criteria or []))
+        stopping_criteria.append(StopStringCriteria(stop_strings=magicdec_stop_strings, tokenizer=magicdec_tokenizer))
     check_model(model, max_length=generation_config.max_length)
     check_generation_config(generation_config)
     model_kwargs = check_model_kwargs(model_kwargs)
@@ -240,8 +256,8 @@ class _Engine:
                 self.streamer.put(new_tokens[0, : int(keep[0])].cpu())
             # `cap` can shrink below a row's length (stock semantics without an EOS criterion).
             seq_len[rows] = torch.minimum(seq_len[rows] + keep, cap[rows])
-            if stats.steps > 0:  # the cache already holds verified KV; keep pending + accepted
-                self.cache.commit(num_new)
+            if stats.steps > 0:  # verified KV of pending + accepted tokens: one slot per kept token
+                self.cache.commit(keep)
             alive = ~finished
             if not bool(alive.any()):
                 break
@@ -290,32 +306,32 @@ class _Engine:
         cols = ctx[:, None] + j[None, :]
         rb.tokens[rows[:, None], cols] = new_tokens
         keep = num_new.clone()
-        stop = torch.zeros_like(valid[:, 0])
         if eos is not None:
             is_eos = torch.isin(new_tokens, eos) & valid
-            has = is_eos.any(dim=1)
-            first = torch.where(has, is_eos.long().argmax(dim=1) + 1, keep)
+            flag_eos = is_eos.any(dim=1)
+            first = torch.where(flag_eos, is_eos.long().argmax(dim=1) + 1, keep)
             keep = torch.minimum(keep, first)
-            stop |= has & rb.has_eos_criteria
-            flag_eos = has
         else:
-            flag_eos = torch.zeros_like(stop)
+            flag_eos = torch.zeros_like(valid[:, 0])
         generic_keep, generic_fired = rb.stopped(rows, ctx, keep)
         fired_generic = generic_fired & (generic_keep <= keep)
         keep = torch.where(fired_generic, generic_keep, keep)
         # The EOS only counts if it is still within the kept tokens.
         flag_eos = flag_eos & (~fired_generic | (first <= generic_keep)) if eos is not None else flag_eos
         room = cap[rows] - ctx
-        at_cap = keep >= room
-        keep = torch.minimum(keep, room)
         flagged = fired_generic | flag_eos
         if rb.has_eos_criteria:
+            at_cap = keep >= room
+            keep = torch.minimum(keep, room)
             finished = flagged | at_cap
         else:
-            # Stock `generate` without an EOS criterion keeps generating flagged rows until every
-            # row is flagged, then cuts all rows to the longest flagged length.
+            # Stock `generate` without an EOS criterion keeps generating flagged rows (their
+            # tokens stay real) until every row is flagged, then cuts all rows to the longest
+            # flagged length.
             new_flag = flagged & (flagged_len[rows] < 0)
             flagged_len[rows] = torch.where(new_flag, ctx + keep, flagged_len[rows])
+            keep = torch.minimum(num_new, room)
+            at_cap = keep >= room
             done_all[rows] |= at_cap
             if bool(((flagged_len >= 0) | done_all).all()):
                 target = int(torch.where(flagged_len >= 0, flagged_len, cap).max())

@@ -37,6 +37,7 @@ import logging
 import os
 import shutil
 import tempfile
+import time
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator
@@ -219,11 +220,12 @@ def _progress_bars(enabled: bool) -> Iterator[None]:
     """Switch transformers' tqdm bars off for the duration, if requested."""
     from transformers.utils import logging as hf_logging
 
-    was = hf_logging.is_progress_bar_enabled()
-    if enabled or not was:
+    if enabled:
         yield
         return
-    hf_logging.disable_progress_bar()
+    was = hf_logging.is_progress_bar_enabled()
+    if was:
+        hf_logging.disable_progress_bar()
     # The GGUF de-quantization loop uses a plain ``tqdm`` that ignores the switch above.
     gguf_utils = None
     try:
@@ -236,7 +238,8 @@ def _progress_bars(enabled: bool) -> Iterator[None]:
     try:
         yield
     finally:
-        hf_logging.enable_progress_bar()
+        if was:
+            hf_logging.enable_progress_bar()
         if original is not None:
             gguf_utils.tqdm = original
 
@@ -258,6 +261,17 @@ def _assemble(files: list[Path], dest: Path, expected: int) -> None:
     size = dest.stat().st_size
     if size != expected:
         raise RuntimeError(f"assembled {dest} has {size:,} bytes, expected {expected:,}")
+
+
+def _remove_abandoned(target: Path, max_age_s: float = 86400.0) -> None:
+    """Delete staging dirs left by conversions killed more than a day ago."""
+    now = time.time()
+    for stale in target.parent.glob(f".{target.name}.partial-*"):
+        try:
+            if now - stale.stat().st_mtime > max_age_s:
+                shutil.rmtree(stale, ignore_errors=True)
+        except OSError:
+            pass
 
 
 def _make_readable(directory: Path) -> None:
@@ -310,6 +324,7 @@ def _convert(spec: KnownModel, target: Path, progress: bool) -> None:
     target.parent.mkdir(parents=True, exist_ok=True)
     level = logging.WARNING if progress else logging.INFO
     logger.log(level, "converting GGUF once to %s …", target)
+    _remove_abandoned(target)
     staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.partial-", dir=target.parent))
     try:
         if len(files) == 1:

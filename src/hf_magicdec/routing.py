@@ -9,6 +9,7 @@ custom callables (streamer, synced_gpus) under our own names.
 
 from __future__ import annotations
 
+import copy
 import functools
 import inspect
 import os
@@ -20,7 +21,7 @@ from .config import MagicDecConfig
 from .validation import check_route_kwargs
 
 _original_generate = None
-_OPTION_NAMES = ("draft", "draft_budget", "gamma", "sink_tokens", "window")
+_OPTION_NAMES = ("draft", "draft_budget", "gamma", "sink_tokens", "window", "pool_kernel")
 _OFF = (None, False, "", "none", "off")
 
 
@@ -91,9 +92,50 @@ def _route(model, original, signature, spec, args, kwargs):
         call["magicdec_streamer"] = call.pop("streamer")
     if call.get("synced_gpus") is not None:
         call["magicdec_synced_gpus"] = call.pop("synced_gpus")
+    # HF drops `tokenizer` before a custom callable sees it and then fails on stop strings;
+    # take both over and let the engine build the criterion.
+    stop_strings = call.pop("stop_strings", None)
+    generation_config = call.get("generation_config")
+    for source in (generation_config, None if generation_config is not None else model.generation_config):
+        if source is not None and getattr(source, "stop_strings", None):
+            stop_strings = stop_strings or source.stop_strings
+            call["generation_config"] = copy.deepcopy(source)
+            call["generation_config"].stop_strings = None
+    if stop_strings:
+        call["magicdec_stop_strings"] = stop_strings
+        call["magicdec_tokenizer"] = call.pop("tokenizer", None)
     return original(model, **call)
 
 
 def _install_on_import() -> None:
     if os.environ.get("HF_MAGICDEC_NO_PATCH", "").lower() not in ("1", "true", "yes"):
         enable()
+
+
+def set_default_speculation(model, speculative: Any = "magicdec", **options: Any) -> None:
+    """Make ``model.generate()`` use MagicDec by default, in a way that survives ``save_pretrained``.
+
+    Stores the configuration as a JSON-able dict in ``model.generation_config.speculative``. A
+    generation config that transformers derived from the model config (``_from_model_config``)
+    drops unknown attributes when it is loaded again, so the flag is cleared here: the saved
+    ``generation_config.json`` then routes to MagicDec on ``from_pretrained`` (after
+    ``import hf_magicdec``). Pass ``speculative=None`` to remove the default.
+
+    Parameters
+    ----------
+    model : a ``PreTrainedModel``.
+    speculative : ``"magicdec"``, a dict, a :class:`~hf_magicdec.MagicDecConfig` or None.
+    **options : MagicDecConfig fields (``gamma``, ``draft``, ``draft_budget`` …).
+
+    Examples
+    --------
+    >>> hf_magicdec.set_default_speculation(model, draft="snapkv", draft_budget=512, gamma=4)
+    >>> model.save_pretrained("my-model")  # generation_config.json now carries "speculative"
+    """
+    gc = model.generation_config
+    if speculative is None:
+        if hasattr(gc, "speculative"):
+            del gc.speculative
+        return
+    gc.speculative = MagicDecConfig.from_any(speculative, **options).to_dict()
+    gc._from_model_config = False
