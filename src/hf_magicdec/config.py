@@ -42,7 +42,10 @@ class MagicDecConfig:
         ``streamingllm`` only: the first tokens of the prompt that always stay in the view.
     window : int
         ``snapkv`` only: observation window (last prompt queries used for scoring). It is also
-        the size of SnapKV's rolling recent window.
+        the smallest size of SnapKV's rolling recent window.
+    recent_window : int | None
+        ``snapkv`` only: size of the rolling window of recent tokens (prompt tail, then committed
+        tokens). Default ``max(window, draft_budget // 4)``.
     pool_kernel : int
         ``snapkv`` only: width of the 1-D average pooling over key scores (odd).
     prefill_chunk_size : int
@@ -65,6 +68,7 @@ class MagicDecConfig:
     gamma: int = DEFAULT_GAMMA
     sink_tokens: int = DEFAULT_SINK_TOKENS
     window: int = DEFAULT_WINDOW
+    recent_window: int | None = None
     pool_kernel: int = 5
     prefill_chunk_size: int = DEFAULT_PREFILL_CHUNK
 
@@ -82,6 +86,10 @@ class MagicDecConfig:
             raise ValueError(f"gamma must be in [1, {MAX_GAMMA}], got {self.gamma=}.")
         if self.sink_tokens < 0:
             raise ValueError(f"sink_tokens must be >= 0, got {self.sink_tokens=}.")
+        if self.recent_window is not None and (
+            isinstance(self.recent_window, bool) or not isinstance(self.recent_window, int) or self.recent_window < 1
+        ):
+            raise ValueError(f"recent_window must be a positive int or None, got {self.recent_window=!r}.")
         if self.window < 1:
             raise ValueError(f"window must be >= 1, got {self.window=}.")
         if self.pool_kernel < 1 or self.pool_kernel % 2 == 0:

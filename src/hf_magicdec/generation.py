@@ -50,6 +50,7 @@ def generate(
     gamma: int | None = None,
     sink_tokens: int | None = None,
     window: int | None = None,
+    recent_window: int | None = None,
     pool_kernel: int | None = None,
     magicdec_config: MagicDecConfig | None = None,
     magicdec_streamer=None,
@@ -71,7 +72,8 @@ def generate(
     input_ids : ``[B, P]`` left-padded prompts (already expanded for ``num_return_sequences``).
     logits_processor, stopping_criteria, generation_config : as prepared by ``generate``.
     tokenizer : enables ``stop_strings`` (``generate`` builds the criterion from it).
-    speculative, draft, draft_budget, gamma, sink_tokens, window, pool_kernel, magicdec_config :
+    speculative, draft, draft_budget, gamma, sink_tokens, window, recent_window, pool_kernel,
+        magicdec_config :
         MagicDec settings (see :class:`~hf_magicdec.MagicDecConfig`); explicit values win.
     magicdec_streamer, magicdec_synced_gpus, magicdec_stop_strings, magicdec_tokenizer :
         streamer, ``synced_gpus``, ``stop_strings`` and tokenizer forwarded by the ``speculative=``
@@ -95,6 +97,7 @@ def generate(
         gamma=gamma,
         sink_tokens=sink_tokens,
         window=window,
+        recent_window=recent_window,
         pool_kernel=pool_kernel,
     )
     streamer = magicdec_streamer if magicdec_streamer is not None else streamer

@@ -21,7 +21,7 @@ from .config import MagicDecConfig
 from .validation import check_route_kwargs
 
 _original_generate = None
-_OPTION_NAMES = ("draft", "draft_budget", "gamma", "sink_tokens", "window", "pool_kernel")
+_OPTION_NAMES = ("draft", "draft_budget", "gamma", "sink_tokens", "window", "recent_window", "pool_kernel")
 _OFF = (None, False, "", "none", "off")
 
 
