@@ -187,7 +187,7 @@ def main(argv=None) -> int:
     with open(out / "results.jsonl", "w") as fh:
         for r in rows:
             fh.write(json.dumps({**asdict(r), **vars(args), "env": env}) + "\n")
-    if _plot(rows, out / "speedup.png", title):
+    if _plot(rows, out / "speedup.png", title.replace(", greedy", ",\ngreedy")):
         print(f"\nplot: {out / 'speedup.png'}   rows: {out / 'results.jsonl'}")
     return 0 if all(r.identical is not False for r in rows) else 1
 
