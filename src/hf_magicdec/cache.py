@@ -29,6 +29,14 @@ if TYPE_CHECKING:
 _PREFILL, _DRAFT, _VERIFY = "prefill", "draft", "verify"
 
 
+def _copy_slots(source: torch.Tensor, src: torch.Tensor, dest: torch.Tensor, dst: torch.Tensor) -> None:
+    """``dest[b, :, dst[b, j]] = source[b, :, src[b, j]]`` for ``[B, H, S, D]`` buffers, ``[B, n]`` slots."""
+    heads, dim = source.shape[1], source.shape[-1]
+    s_idx = src[:, None, :, None].expand(-1, heads, -1, dim)
+    d_idx = dst[:, None, :, None].expand(-1, heads, -1, dim)
+    dest.scatter_(2, d_idx, torch.gather(source, 2, s_idx))
+
+
 class MagicDecLayer(CacheLayerMixin):
     """One layer of a :class:`MagicDecCache`. Allocates lazily on the first keys it receives, so it
     lives on its layer's device with its local head count (device maps, tensor parallelism)."""
@@ -286,14 +294,8 @@ class MagicDecCache(Cache):
             for layer in self.layers:
                 dev = layer.keys.device
                 s, d = src.to(dev), dst.to(dev)
-                kv_heads, head_dim = layer.keys.shape[1], layer.keys.shape[-1]
-                s_idx = s[:, None, :, None].expand(-1, kv_heads, -1, head_dim)
-                d_idx = d[:, None, :, None].expand(-1, kv_heads, -1, head_dim)
-                layer.draft_keys.scatter_(2, d_idx, torch.gather(layer.keys, 2, s_idx))
-                vd = layer.values.shape[-1]
-                s_idx = s[:, None, :, None].expand(-1, kv_heads, -1, vd)
-                d_idx = d[:, None, :, None].expand(-1, kv_heads, -1, vd)
-                layer.draft_values.scatter_(2, d_idx, torch.gather(layer.values, 2, s_idx))
+                _copy_slots(layer.keys, s, layer.draft_keys, d)
+                _copy_slots(layer.values, s, layer.draft_values, d)
             self.ring_ptr += num_tokens
         self.lengths += num_tokens
         self._max_len = int(self.lengths.max().item()) if self.lengths.numel() else 0
