@@ -213,6 +213,8 @@ class _Engine:
         if self.streamer is not None:
             self.streamer.put(input_ids.cpu())
         if max_new == 0:
+            if self.streamer is not None:
+                self.streamer.end()
             return self._finish(rb, torch.full((batch,), prompt, device=device), prompt, pad_id, stats, [], [])
 
         # ---------------- prefill
