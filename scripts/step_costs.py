@@ -53,51 +53,24 @@ def main():
     ids = data.prompt_batch(tokenizer, args.batch, args.context)
     q = args.gamma + 1
     config = MagicDecConfig(draft=args.draft, draft_budget=args.budget, gamma=args.gamma)
-    gen = model.generation_config
     result = {"model": args.model, "batch": args.batch, "context": args.context, "gamma": args.gamma,
               "draft": args.draft, "budget": args.budget, "threads": torch.get_num_threads()}
     with torch.no_grad():
         # --- ours: prefill once through the engine's own path, then time single forwards.
         with _magicdec_attention(model):
-            gen_copy = type(gen).from_dict(gen.to_dict())
-            gen_copy.max_length = args.context + 64
-            gen_copy._pad_token_tensor = None
-            gen_copy._eos_token_tensor = None
-            engine = _Engine(model, config, gen_copy, [], [], None, chunk=1024)
-            cache_holder = {}
-
-            def prefill_only():
-                from hf_magicdec.cache import MagicDecCache
-
-                pad = torch.zeros(args.batch, dtype=torch.long)
-                engine.cache = MagicDecCache(model.config.num_hidden_layers, args.batch, args.context + 64 + q, pad)
-                engine.cache.observation_window = engine.view.observation_window(config)
-                slot = torch.arange(args.context)
-                pos = slot[None].expand(args.batch, -1)
-                for start in range(0, args.context, 1024):
-                    end = min(args.context, start + 1024)
-                    engine.cache.begin_prefill(start, end - start)
-                    mask = slot[None, None, :end] <= slot[start:end, None][None]
-                    engine._forward(ids[:, start:end], pos[:, start:end], mask[:, None].expand(args.batch, -1, -1, -1),
-                                    logits_to_keep=1, observe=True)
-                engine.cache.end_prefill(args.context)
-                engine.cache.build_draft_views(engine.view, config, args.context, 64)
-                cache_holder["cache"] = engine.cache
-
+            engine = _Engine(model, config, model.generation_config, [], [], None, chunk=1024)
+            pad = torch.zeros(args.batch, dtype=torch.long)
+            positions = torch.arange(args.context)[None].expand(args.batch, -1)
             t0 = time.perf_counter()
-            prefill_only()
+            engine._prefill(ids, positions, pad, capacity=args.context + 64 + q)
+            engine.cache.build_draft_views(engine.view, config, args.context, 64)
             result["prefill_s"] = time.perf_counter() - t0
             cache = engine.cache
             tokens = ids[:, -q:].clone()
 
             def verify(n):
-                cache.begin_verify(n)
-                kv = cache.verify_kv_length(n)
-                key = torch.arange(kv)
-                query = cache.lengths[:, None] + torch.arange(n)
-                mask = (key[None, None, :] <= query[:, :, None])[:, None]
-                engine._forward(tokens[:, :n], query, mask, logits_to_keep=0)
-                cache.commit(torch.zeros(args.batch, dtype=torch.long))  # roll back
+                engine._verify(tokens[:, 0], tokens[:, 1:n])
+                cache.commit(torch.zeros(args.batch, dtype=torch.long))  # roll back: context never changes
 
             def draft_step():
                 cache.begin_draft(0)

@@ -184,6 +184,24 @@ class _Engine:
             logits = logits[:, -1:]
         return logits
 
+    def _prefill(self, input_ids, position_ids, pad, capacity: int) -> torch.Tensor:
+        """Build ``self.cache`` and fill it with the prompt in chunks; returns the last logits ``[B, 1, V]``."""
+        batch, prompt = input_ids.shape
+        self.cache = MagicDecCache(self.model.config.num_hidden_layers, batch, capacity, pad)
+        self.cache.observation_window = self.view.observation_window(self.config)
+        slot = torch.arange(prompt, device=input_ids.device)
+        for start in range(0, prompt, self.chunk):
+            end = min(prompt, start + self.chunk)
+            self.cache.begin_prefill(start, end - start)
+            q_slot = slot[start:end]
+            mask = (slot[None, None, :end] >= pad[:, None, None]) & (slot[None, None, :end] <= q_slot[None, :, None])
+            mask |= slot[None, None, :end] == q_slot[None, :, None]  # padding queries see themselves: no NaN
+            logits = self._forward(
+                input_ids[:, start:end], position_ids[:, start:end], mask[:, None], logits_to_keep=1, observe=True
+            )
+        self.cache.end_prefill(prompt)
+        return logits
+
     # -------------------------------------------------------------- main loop
     def run(self, input_ids, attention_mask, position_ids):
         gen, config = self.gen, self.config
@@ -219,19 +237,7 @@ class _Engine:
 
         # ---------------- prefill
         t0 = time.perf_counter()
-        self.cache = MagicDecCache(self.model.config.num_hidden_layers, batch, capacity, pad)
-        self.cache.observation_window = self.view.observation_window(config)
-        slot = torch.arange(prompt, device=device)
-        for start in range(0, prompt, self.chunk):
-            end = min(prompt, start + self.chunk)
-            self.cache.begin_prefill(start, end - start)
-            q_slot = slot[start:end]
-            mask = (slot[None, None, :end] >= pad[:, None, None]) & (slot[None, None, :end] <= q_slot[None, :, None])
-            mask |= slot[None, None, :end] == q_slot[None, :, None]  # padding queries see themselves: no NaN
-            logits = self._forward(
-                input_ids[:, start:end], position_ids[:, start:end], mask[:, None], logits_to_keep=1, observe=True
-            )
-        self.cache.end_prefill(prompt)
+        logits = self._prefill(input_ids, position_ids, pad, capacity)
         first_logits = logits[:, -1].float()
         rows = torch.arange(batch, device=device)
         seq_len = torch.full((batch,), prompt, device=device, dtype=torch.long)  # [B] tokens incl. pending

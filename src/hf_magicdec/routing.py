@@ -95,12 +95,11 @@ def _route(model, original, signature, spec, args, kwargs):
     # HF drops `tokenizer` before a custom callable sees it and then fails on stop strings;
     # take both over and let the engine build the criterion.
     stop_strings = call.pop("stop_strings", None)
-    generation_config = call.get("generation_config")
-    for source in (generation_config, None if generation_config is not None else model.generation_config):
-        if source is not None and getattr(source, "stop_strings", None):
-            stop_strings = stop_strings or source.stop_strings
-            call["generation_config"] = copy.deepcopy(source)
-            call["generation_config"].stop_strings = None
+    source = call.get("generation_config") or model.generation_config
+    if getattr(source, "stop_strings", None):
+        stop_strings = stop_strings or source.stop_strings
+        call["generation_config"] = copy.deepcopy(source)
+        call["generation_config"].stop_strings = None
     if stop_strings:
         call["magicdec_stop_strings"] = stop_strings
         call["magicdec_tokenizer"] = call.pop("tokenizer", None)
