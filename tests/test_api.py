@@ -266,7 +266,7 @@ def test_hybrid_sliding_model_within_window(batch):
     [
         (dict(num_beams=2), ValueError, "beam search"),
         (dict(prompt_lookup_num_tokens=3), ValueError, "prompt lookup"),
-        (dict(gamma=0), ValueError, "gamma"),
+        (dict(gamma=-1), ValueError, "gamma"),
         (dict(gamma=2.5), ValueError, "gamma"),
         (dict(draft="quest"), ValueError, "Unknown draft view"),
         (dict(draft_budget=8, sink_tokens=8), ValueError, "sink_tokens"),

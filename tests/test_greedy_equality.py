@@ -130,3 +130,17 @@ def test_prefill_chunking_is_exact(tiny_models):
         prefill_chunk_size=7, draft="snapkv", draft_budget=30, window=8,
     )
     _assert_same(ref, out, "chunked prefill")
+
+
+@pytest.mark.parametrize("arch", list(ARCHS))
+def test_gamma_zero_is_plain_decoding_on_our_cache(tiny_models, arch):
+    """gamma=0 (the benchmark's own-AR baseline) drafts nothing and equals generate, EOS included."""
+    model = tiny_models(arch)
+    ids, mask = ragged_prompts(batch=4, length=40, seed=21)
+    kwargs = dict(input_ids=ids, attention_mask=mask, max_new_tokens=20, do_sample=False, pad_token_id=0,
+                  eos_token_id=[EOS], repetition_penalty=1.2)
+    reference = model.generate(**kwargs)
+    out = model.generate(**kwargs, speculative="magicdec", gamma=0, draft="snapkv", return_dict_in_generate=True)
+    _assert_same(reference, out.sequences, f"{arch}/gamma=0")
+    stats = out.speculation
+    assert stats.tokens_per_step == 1.0 and stats.acceptance_rate == 0.0 and stats.histogram() == [sum(map(len, stats.accepted_lengths))]

@@ -175,3 +175,15 @@ def test_seeded_sampling_is_reproducible():
     torch.manual_seed(42)
     b = model.generate(**kwargs)
     assert torch.equal(a, b)
+
+
+def test_gamma_zero_sampling_draws_exactly_like_stock():
+    """With drafting off, the engine consumes the RNG exactly as stock sampling: same seed, same tokens."""
+    model = make_model("qwen2-gqa7", seed=3)
+    ids = torch.randint(3, 128, (3, 25), generator=torch.Generator().manual_seed(4))
+    kwargs = dict(input_ids=ids, max_new_tokens=16, do_sample=True, temperature=0.8, top_k=40, eos_token_id=None)
+    torch.manual_seed(7)
+    stock = model.generate(**kwargs)
+    torch.manual_seed(7)
+    ours = model.generate(**kwargs, speculative="magicdec", gamma=0)
+    assert torch.equal(stock, ours)

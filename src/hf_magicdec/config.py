@@ -37,7 +37,9 @@ class MagicDecConfig:
         Tokens of KV per layer, per row and per KV head that the draft attends to (static
         selection plus rolling recent window). Ignored by ``"full"``.
     gamma : int
-        Draft tokens per verification step (γ). Each step verifies γ+1 tokens.
+        Draft tokens per verification step (γ). Each step verifies γ+1 tokens. ``0`` turns
+        drafting off: plain autoregressive decoding on the MagicDec cache (the benchmark's
+        "own AR" baseline; no draft view is built).
     sink_tokens : int
         ``streamingllm`` only: the first tokens of the prompt that always stay in the view.
     window : int
@@ -82,8 +84,8 @@ class MagicDecConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int):
                 raise ValueError(f"{name} must be an int, got {value!r} ({type(value).__name__}).")
-        if not 1 <= self.gamma <= MAX_GAMMA:
-            raise ValueError(f"gamma must be in [1, {MAX_GAMMA}], got {self.gamma=}.")
+        if not 0 <= self.gamma <= MAX_GAMMA:
+            raise ValueError(f"gamma must be in [0, {MAX_GAMMA}], got {self.gamma=}.")
         if self.sink_tokens < 0:
             raise ValueError(f"sink_tokens must be >= 0, got {self.sink_tokens=}.")
         if self.recent_window is not None and (

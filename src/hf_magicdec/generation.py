@@ -188,7 +188,8 @@ class _Engine:
         """Build ``self.cache`` and fill it with the prompt in chunks; returns the last logits ``[B, 1, V]``."""
         batch, prompt = input_ids.shape
         self.cache = MagicDecCache(self.model.config.num_hidden_layers, batch, capacity, pad)
-        self.cache.observation_window = self.view.observation_window(self.config)
+        if self.config.gamma > 0:  # gamma 0 builds no view: nothing to observe
+            self.cache.observation_window = self.view.observation_window(self.config)
         slot = torch.arange(prompt, device=input_ids.device)
         for start in range(0, prompt, self.chunk):
             end = min(prompt, start + self.chunk)
@@ -243,7 +244,8 @@ class _Engine:
         seq_len = torch.full((batch,), prompt, device=device, dtype=torch.long)  # [B] tokens incl. pending
         scores = rb.process(rows, seq_len, first_logits[:, None])[:, 0]
         first = torch.multinomial(torch.softmax(scores, -1), 1).squeeze(1) if self.do_sample else scores.argmax(-1)
-        self.cache.build_draft_views(self.view, config, prompt, max_new)
+        if gamma > 0:
+            self.cache.build_draft_views(self.view, config, prompt, max_new)
         _profile_sync(device)
         stats.prefill_seconds = time.perf_counter() - t0
 
@@ -286,7 +288,14 @@ class _Engine:
             # Verify gamma + 1 tokens on the full cache.
             target_logits = self._verify(pending, drafts)
             target_scores = rb.process(rows, seq_len[rows], target_logits)
-            if self.do_sample:
+            if gamma == 0:  # plain decoding: the same draw as stock `generate`
+                accepted = torch.zeros_like(pending)
+                nxt = (
+                    torch.multinomial(torch.softmax(target_scores[:, 0], -1), 1).squeeze(1)
+                    if self.do_sample
+                    else target_scores[:, 0].argmax(-1)
+                )
+            elif self.do_sample:
                 accepted, nxt = rejection_sample(drafts, draft_probs, torch.softmax(target_scores, dim=-1))
             else:
                 accepted, nxt = greedy_verify(drafts, target_scores)
@@ -356,6 +365,8 @@ class _Engine:
     def _draft(self, rb, rows, seq_len_rows, pending):
         """gamma single-token forwards on the draft view. Returns ``drafts [b, gamma]`` and, when
         sampling, ``draft_probs [b, gamma, V]``."""
+        if self.config.gamma == 0:
+            return pending.new_empty((pending.shape[0], 0)), None
         cache = self.cache
         pad = cache.pad
         base_valid = cache.draft_valid()  # [b, Ks + W]
