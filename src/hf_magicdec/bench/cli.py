@@ -1,0 +1,105 @@
+"""Command line of ``hf-magicdec bench``."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from pathlib import Path
+
+log = logging.getLogger("hf_magicdec")
+
+
+def build_parser(prog: str = "hf-magicdec bench") -> argparse.ArgumentParser:
+    from . import __doc__ as doc
+
+    ap = argparse.ArgumentParser(prog=prog, description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="smollm2-135m",
+                    help="offline name (smollm2-135m, qwen2.5-coder-0.5b, qwen2.5-coder-1.5b), local dir or Hub id")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    ap.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
+    ap.add_argument("--batch", type=int, nargs="+", default=[8], help="batch size(s)")
+    ap.add_argument("--context", type=int, nargs="+", default=[2048], help="prompt length(s) in tokens")
+    ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--draft", nargs="+", default=["streamingllm", "snapkv"], help="draft view(s)")
+    ap.add_argument("--budget", type=int, nargs="+", default=[256], help="draft budget(s)")
+    ap.add_argument("--gamma", type=int, nargs="+", default=[3], help="draft tokens per step")
+    ap.add_argument("--text", default="auto", help="auto | shakespeare | pg19 | files:<glob> (see hf_magicdec.data)")
+    ap.add_argument("--repeats", type=int, default=1, help="timed runs per method (median reported)")
+    ap.add_argument("--no-warmup", action="store_true", help="skip the short discarded warm-up run per method")
+    ap.add_argument("--no-own-ar", action="store_true", help="skip our own autoregressive path (gamma=0)")
+    ap.add_argument("--stop-at-eos", action="store_true",
+                    help="let rows stop at EOS (default: every row decodes exactly --new-tokens, as the reference)")
+    ap.add_argument("--assistant", default=None,
+                    help="also run HF assisted generation at batch 1 with this draft model (same tokenizer)")
+    ap.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    ap.add_argument("--out", default="bench_out", help="folder for results.jsonl and plots")
+    ap.add_argument("--quiet", action="store_true", help="no progress bars")
+    return ap
+
+
+def main(argv: list[str] | None = None, prog: str = "hf-magicdec bench") -> int:
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    ap = build_parser(prog)
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(message)s")
+
+    from .runner import BenchSpec
+
+    try:  # validate every size and config before loading anything
+        spec = BenchSpec(
+            model=args.model, dtype=args.dtype, device=args.device, batches=tuple(args.batch),
+            contexts=tuple(args.context), new_tokens=args.new_tokens, drafts=tuple(args.draft),
+            budgets=tuple(args.budget), gammas=tuple(args.gamma), text=args.text, repeats=args.repeats,
+            warmup=not args.no_warmup, own_ar=not args.no_own_ar, stop_at_eos=args.stop_at_eos,
+            assistant=args.assistant,
+        )
+    except ValueError as exc:
+        ap.error(str(exc))
+    if args.threads is not None:
+        if args.threads < 1:
+            ap.error(f"--threads must be >= 1, got {args.threads}")
+        import torch
+
+        torch.set_num_threads(args.threads)
+    return run_and_report(spec, Path(args.out), progress=not args.quiet)
+
+
+def run_and_report(spec, out: Path, progress: bool = True, title_prefix: str = "") -> int:
+    """Run ``spec``, stream JSONL rows to ``out/results.jsonl``, print the tables, write the plots."""
+    import dataclasses
+
+    from .report import breakdown_table, plots, table, write_jsonl
+    from .runner import run
+
+    out.mkdir(parents=True, exist_ok=True)
+    jsonl = out / "results.jsonl"
+    jsonl.unlink(missing_ok=True)
+    meta = {"model": spec.model, "dtype": spec.dtype, "spec": dataclasses.asdict(spec)}
+    env_box = {}
+
+    def on_result(r):
+        write_jsonl(jsonl, [{**meta, **r.to_dict(), "env": env_box.get("env")}])
+
+    # The environment is known only once the model is on its device; rows stream as they finish.
+    from . import harness, runner
+
+    env_box["env"] = harness.environment(runner._resolve_device(spec.device))
+    results, env, _ = run(spec, progress=progress, on_result=on_result)
+    title = (f"{title_prefix}{spec.model} {spec.dtype} on {env['device']}, {spec.new_tokens} new tokens, greedy"
+             f"{'' if spec.stop_at_eos else ', EOS ignored'}")
+    print()
+    print(title)
+    print(table(results))
+    extra = breakdown_table(results)
+    if extra:
+        print()
+        print(extra)
+    written = plots(results, out, title)
+    print(f"\nrows: {jsonl}" + "".join(f"\nplot: {p}" for p in written))
+    bad = [r for r in results if r.identical is False]
+    if bad:
+        print(f"\n{len(bad)} run(s) differed from stock generate: " + ", ".join(r.label for r in bad), file=sys.stderr)
+        return 1
+    return 0

@@ -1,0 +1,305 @@
+"""The benchmark grid: stock ``generate``, our own autoregressive path and MagicDec, on the same
+prompts, in one process.
+
+For every (batch, context) point the runner cuts one batch of real long-text prompts and runs,
+in this order: stock greedy ``model.generate`` (the baseline), ``speculative="magicdec"`` with
+``gamma=0`` (plain decoding on our cache: "own AR"), then every (draft view, budget, gamma)
+configuration; optionally HF assisted generation with a small draft model at batch 1. Every
+output is compared token for token with the baseline.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+from ..config import MagicDecConfig
+from .harness import Measurement, environment, measure
+
+log = logging.getLogger("hf_magicdec")
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class BenchSpec:
+    """What to run. Sizes are validated before any model is loaded."""
+
+    model: str = "smollm2-135m"
+    dtype: str = "float32"
+    device: str = "auto"
+    batches: tuple[int, ...] = (8,)
+    contexts: tuple[int, ...] = (2048,)
+    new_tokens: int = 64
+    drafts: tuple[str, ...] = ("streamingllm", "snapkv")
+    budgets: tuple[int, ...] = (256,)
+    gammas: tuple[int, ...] = (3,)
+    text: str = "auto"
+    repeats: int = 1
+    warmup: bool = True
+    own_ar: bool = True
+    stop_at_eos: bool = False
+    assistant: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype=!r}")
+        for name in ("batches", "contexts", "budgets"):
+            values = getattr(self, name)
+            if not values or any(not isinstance(v, int) or v < 1 for v in values):
+                raise ValueError(f"{name} must be positive ints, got {values!r}")
+        if self.new_tokens < 2:
+            raise ValueError(f"new_tokens must be >= 2 (decode starts after the first token), got {self.new_tokens=}")
+        if self.repeats < 1:
+            raise ValueError(f"repeats must be >= 1, got {self.repeats=}")
+        for draft in self.drafts:
+            for budget in self.budgets:
+                for gamma in self.gammas:
+                    MagicDecConfig(draft=draft, draft_budget=budget, gamma=gamma)  # names the bad value
+
+    def configs(self, context: int) -> list[MagicDecConfig]:
+        """MagicDec configurations worth running at ``context`` (a budget >= context compresses nothing)."""
+        out = []
+        for draft in self.drafts:
+            for budget in self.budgets:
+                if draft != "full" and budget >= context:
+                    log.warning("skipping %s budget %d at context %d: the view would hold the whole prompt",
+                                draft, budget, context)
+                    continue
+                out.extend(MagicDecConfig(draft=draft, draft_budget=budget, gamma=g) for g in self.gammas)
+        return out
+
+
+@dataclass
+class ModelInfo:
+    """Byte counts behind the achieved-bandwidth estimate."""
+
+    weight_bytes: int  # every parameter once (a tied LM head is read from the embedding)
+    kv_bytes_per_token: int  # K and V, all layers, per row
+
+    @classmethod
+    def of(cls, model) -> "ModelInfo":
+        cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+        elem = next(model.parameters()).element_size()
+        heads = cfg.num_attention_heads
+        kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+        weights = sum(p.numel() * p.element_size() for p in model.parameters())
+        return cls(weights, 2 * cfg.num_hidden_layers * kv_heads * head_dim * elem)
+
+
+@dataclass
+class Result:
+    """One row of the benchmark output (see :func:`Result.to_dict` for the JSONL schema)."""
+
+    method: str  # "stock", "own-ar", "magicdec", "stock-b1", "assisted"
+    label: str
+    batch: int
+    context: int
+    new_tokens: int
+    m: Measurement
+    config: MagicDecConfig | None = None
+    identical: bool | None = None
+    bytes_read: float | None = None
+    speedup_vs_stock: float | None = None
+    speedup_vs_ar: float | None = None
+    predicted_speedup: float | None = None
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def decode_tokens(self) -> int:
+        """Tokens committed during decode, all rows (the first token of each row is prefill's)."""
+        return self.batch * (self.new_tokens - 1)
+
+    @property
+    def decode_tok_per_s(self) -> float:
+        return self.decode_tokens / self.m.decode_s
+
+    @property
+    def ms_per_token(self) -> float:
+        """Per-token latency of a row: decode time / tokens a row generated after the first."""
+        return 1000 * self.m.decode_s / (self.new_tokens - 1)
+
+    @property
+    def gb_per_s(self) -> float | None:
+        return self.bytes_read / self.m.decode_s / 1e9 if self.bytes_read else None
+
+    def breakdown(self) -> dict | None:
+        """Seconds per verification step: draft, verify and everything else (emit, commit, processors)."""
+        s = self.m.speculation
+        if s is None or not s.steps:
+            return None
+        other = max(self.m.decode_s - s.draft_seconds - s.verify_seconds, 0.0)
+        return {
+            "steps": s.steps,
+            "draft_ms_per_step": 1000 * s.draft_seconds / s.steps,
+            "verify_ms_per_step": 1000 * s.verify_seconds / s.steps,
+            "other_ms_per_step": 1000 * other / s.steps,
+        }
+
+    def to_dict(self) -> dict:
+        s = self.m.speculation
+        row = {
+            "method": self.method,
+            "label": self.label,
+            "batch": self.batch,
+            "context": self.context,
+            "new_tokens": self.new_tokens,
+            "prefill_s": self.m.prefill_s,
+            "decode_s": self.m.decode_s,
+            "prefill_s_all": self.m.prefill_all,
+            "decode_s_all": self.m.decode_all,
+            "decode_tokens": self.decode_tokens,
+            "decode_tok_per_s": self.decode_tok_per_s,
+            "ms_per_token": self.ms_per_token,
+            "speedup_vs_stock": self.speedup_vs_stock,
+            "speedup_vs_own_ar": self.speedup_vs_ar,
+            "predicted_speedup": self.predicted_speedup,
+            "identical_to_generate": self.identical,
+            "peak_memory_mb": None if self.m.peak_bytes is None else self.m.peak_bytes / 2**20,
+            "est_bytes_read": self.bytes_read,
+            "est_gb_per_s": self.gb_per_s,
+            "config": None if self.config is None else self.config.to_dict(),
+        }
+        if s is not None and self.config is not None and self.config.gamma > 0:
+            lengths = [n for r in s.accepted_lengths for n in r]
+            row.update(
+                acceptance_rate=s.acceptance_rate,
+                mean_accepted=sum(lengths) / len(lengths) if lengths else 0.0,
+                accepted_histogram=s.histogram(),
+                tokens_per_step=s.tokens_per_step,
+                breakdown=self.breakdown(),
+            )
+        row.update(self.extra)
+        return row
+
+
+def _bytes_read(info: ModelInfo, result: Result) -> float:
+    """Estimated bytes the decode phase reads: weights once per forward plus the KV each attends to."""
+    b, p, n = result.batch, result.context, result.new_tokens
+    steps = n - 1
+    if result.config is None or result.config.gamma == 0:
+        kv_tokens = b * sum(p + t for t in range(1, n))
+        return steps * info.weight_bytes + kv_tokens * info.kv_bytes_per_token
+    s, cfg = result.m.speculation, result.config
+    row_steps = sum(len(r) for r in s.accepted_lengths) - b  # the first token is prefill's, not a step
+    row_steps = max(row_steps, s.steps)
+    mean_ctx = p + n / 2
+    view = min(cfg.draft_budget, p) if cfg.draft != "full" else mean_ctx
+    g = cfg.gamma
+    verify = s.steps * info.weight_bytes + row_steps * mean_ctx * info.kv_bytes_per_token
+    draft = s.steps * g * info.weight_bytes + row_steps * g * (view + (g + 1) / 2) * info.kv_bytes_per_token
+    return verify + draft
+
+
+def _resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def run(spec: BenchSpec, progress: bool = True, on_result: Callable[[Result], None] | None = None):
+    """Run the grid. Returns ``(results, environment, model_info)``.
+
+    ``on_result`` is called after every finished row (e.g. to append it to a JSONL file at once,
+    so an interrupted run keeps what it measured).
+    """
+    from .. import data, models
+
+    try:
+        from tqdm.auto import tqdm
+    except ImportError:  # pragma: no cover - tqdm is a dependency
+        tqdm = None
+    device = _resolve_device(spec.device)
+    dtype = DTYPES[spec.dtype]
+    log.warning("loading %s (%s) on %s …", spec.model, spec.dtype, device)
+    model, tokenizer = models.load(spec.model, dtype=dtype, device_map=None if device.type == "cpu" else str(device))
+    model.eval()
+    assistant = None
+    if spec.assistant:
+        assistant, _ = models.load(spec.assistant, dtype=dtype,
+                                   device_map=None if device.type == "cpu" else str(device))
+    info = ModelInfo.of(model)
+    env = environment(device)
+    eos = {} if spec.stop_at_eos else {"eos_token_id": None}
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+
+    def generate(ids, new_tokens, clock=None, **kwargs):
+        return model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
+                              min_new_tokens=None, do_sample=False, streamer=clock, pad_token_id=pad_id,
+                              **eos, **kwargs)
+
+    points = [(b, c) for c in spec.contexts for b in spec.batches]
+    configs = {c: spec.configs(c) for c in spec.contexts}
+    n_runs = sum(1 + int(spec.own_ar) + len(configs[c]) + (2 if assistant else 0) for _, c in points)
+    outer = tqdm(total=n_runs, desc="bench", unit="run", disable=not progress) if tqdm else None
+    results: list[Result] = []
+    warmed: set[tuple] = set()
+
+    def token_bar(label, total):
+        if not (progress and tqdm):
+            return None
+        return lambda: tqdm(total=total, desc=f"  {label}", unit="tok", leave=False)
+
+    def one(method, label, ids, run_fn, config=None, baseline=None):
+        if outer is not None:
+            outer.set_postfix_str(f"B={ids.shape[0]} S={ids.shape[1]} {label}")
+        key = (method, label, ids.shape[0])
+        if spec.warmup and key not in warmed:  # discarded: first-call allocations and thread pools
+            warm = ids[:, -min(64, ids.shape[1]):].clone()
+            warm[:, 0] = ids[:, 0]
+            run_fn(None, warm, 4)
+            warmed.add(key)
+        m = measure(lambda clock: run_fn(clock, ids, spec.new_tokens), spec.repeats, device,
+                    token_bar(label, spec.new_tokens))
+        res = Result(method, label, ids.shape[0], ids.shape[1], spec.new_tokens, m, config)
+        if baseline is not None:
+            res.identical = bool(torch.equal(m.sequences, baseline))
+            if not res.identical:
+                log.error("%s output differs from stock generate at B=%d S=%d", label, res.batch, res.context)
+        if method != "assisted":  # the draft model's reads are not in this estimate
+            res.bytes_read = _bytes_read(info, res)
+        results.append(res)
+        if outer is not None:
+            outer.update(1)
+        return res
+
+    with torch.inference_mode():
+        for batch, context in points:
+            ids = data.prompt_batch(tokenizer, batch, context, source=spec.text).to(device)
+            stock = one("stock", "stock generate", ids, lambda clock, x, n: generate(x, n, clock))
+            base = stock.m.sequences
+            point = [stock]
+            if spec.own_ar:
+                cfg = MagicDecConfig(gamma=0)
+                point.append(one("own-ar", "own AR (gamma=0)", ids,
+                                 lambda clock, x, n, c=cfg: generate(x, n, clock, speculative=c,
+                                                                     return_dict_in_generate=True),
+                                 cfg, base))
+            for cfg in configs[context]:
+                label = f"magicdec {cfg.draft}/{cfg.draft_budget} γ={cfg.gamma}"
+                point.append(one("magicdec", label, ids,
+                                 lambda clock, x, n, c=cfg: generate(x, n, clock, speculative=c,
+                                                                     return_dict_in_generate=True),
+                                 cfg, base))
+            ar = next((r for r in point if r.method == "own-ar"), None)
+            for r in point:
+                r.speedup_vs_stock = stock.m.decode_s / r.m.decode_s
+                r.speedup_vs_ar = ar.m.decode_s / r.m.decode_s if ar is not None else None
+            if assistant is not None:
+                ids1 = ids[:1]
+                s1 = one("stock-b1", "stock generate (batch 1)", ids1, lambda clock, x, n: generate(x, n, clock))
+                a1 = one("assisted", f"HF assisted ({spec.assistant})", ids1,
+                         lambda clock, x, n: generate(x, n, clock, assistant_model=assistant), None, s1.m.sequences)
+                s1.speedup_vs_stock = 1.0
+                a1.speedup_vs_stock = s1.m.decode_s / a1.m.decode_s
+                point += [s1, a1]
+            if on_result is not None:
+                for r in point:
+                    on_result(r)
+    if outer is not None:
+        outer.close()
+    return results, env, info

@@ -1,0 +1,85 @@
+"""``hf-magicdec bench``: argument checking before any load, and one small real run end to end
+(SmolLM2 on Shakespeare) whose rows, identity flags and plots are checked."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from hf_magicdec.bench import BenchSpec
+from hf_magicdec.bench.cli import main as bench_main
+from hf_magicdec.bench.harness import Clock, measure
+
+
+@pytest.mark.parametrize(
+    "argv,fragment",
+    [
+        (["--batch", "0"], "batches"),
+        (["--new-tokens", "1"], "new_tokens"),
+        (["--gamma", "-2"], "gamma"),
+        (["--draft", "nope"], "nope"),
+        (["--budget", "20", "--gamma", "8"], "gamma + 1"),
+        (["--dtype", "int8"], "int8"),
+        (["--repeats", "0"], "repeats"),
+    ],
+)
+def test_bad_arguments_fail_before_loading(monkeypatch, capsys, argv, fragment):
+    from hf_magicdec import models
+
+    monkeypatch.setattr(models, "load", lambda *a, **k: pytest.fail("loaded a model despite bad arguments"))
+    with pytest.raises(SystemExit) as exc:
+        bench_main(argv)
+    assert exc.value.code == 2
+    assert fragment in capsys.readouterr().err
+
+
+def test_budgets_that_hold_the_whole_prompt_are_skipped():
+    spec = BenchSpec(budgets=(64, 512), drafts=("streamingllm", "full"), gammas=(2,))
+    configs = spec.configs(256)
+    assert [(c.draft, c.draft_budget) for c in configs] == [("streamingllm", 64), ("full", 64), ("full", 512)]
+
+
+def test_clock_splits_prefill_from_decode():
+    class Fake:
+        def __init__(self):
+            self.calls = 0
+
+        def __call__(self, clock):
+            import time
+
+            clock.put(torch.zeros(2, 5, dtype=torch.long))  # the prompt
+            time.sleep(0.02)  # "prefill"
+            clock.put(torch.zeros(2, dtype=torch.long))
+            time.sleep(0.05)  # "decode"
+            clock.put(torch.zeros(2, dtype=torch.long))
+            clock.end()
+            return torch.ones(2, 7, dtype=torch.long)
+
+    m = measure(Fake(), repeats=3, device=torch.device("cpu"))
+    assert 0.015 < m.prefill_s < m.decode_s and len(m.decode_all) == 3
+    assert isinstance(Clock(), Clock)
+
+
+@pytest.mark.slow
+def test_bench_end_to_end_on_the_real_model(tmp_path, capsys):
+    out = tmp_path / "bench"
+    code = bench_main(["--batch", "2", "--context", "256", "--new-tokens", "6", "--draft", "streamingllm", "snapkv",
+                       "--budget", "64", "96", "--gamma", "2", "--text", "shakespeare", "--out", str(out), "--quiet"])
+    assert code == 0
+    rows = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
+    methods = [r["method"] for r in rows]
+    assert methods == ["stock", "own-ar"] + ["magicdec"] * 4
+    for r in rows:
+        assert r["decode_s"] > 0 and r["prefill_s"] > 0 and r["decode_tokens"] == 2 * 5
+        assert r["env"]["torch"] == torch.__version__ and r["env"]["device_type"] == "cpu"
+        if r["method"] != "stock":
+            assert r["identical_to_generate"] is True
+        if r["method"] == "magicdec":
+            assert 0 <= r["acceptance_rate"] <= 1 and sum(r["accepted_histogram"]) >= 2
+            assert set(r["breakdown"]) == {"steps", "draft_ms_per_step", "verify_ms_per_step", "other_ms_per_step"}
+    assert (out / "throughput.png").stat().st_size > 0
+    assert (out / "acceptance_vs_budget.png").stat().st_size > 0
+    printed = capsys.readouterr().out
+    assert "identical" in printed and "NO" not in printed.split("identical", 1)[1]
