@@ -337,3 +337,24 @@ def test_failure_restores_model(llama, batch, exc):
     assert llama.generation_config.to_dict() == gc_before
     # And the model still generates exactly as before.
     assert torch.equal(_gen(llama, ids, mask), _gen(llama, ids, mask, speculative="magicdec"))
+
+
+def test_shared_prefill_reuses_one_prefill_and_changes_nothing(llama, monkeypatch):
+    from hf_magicdec.generation import _Engine, shared_prefill
+
+    ids, mask = ragged_prompts(batch=3, length=40, seed=13)
+    kwargs = dict(input_ids=ids, attention_mask=mask, max_new_tokens=12, do_sample=False, eos_token_id=None,
+                  speculative="magicdec")
+    configs = [dict(draft="snapkv", draft_budget=16, window=6, gamma=3), dict(draft="streamingllm", draft_budget=12,
+               sink_tokens=2, gamma=2), dict(draft="snapkv", draft_budget=20, window=4, gamma=3)]
+    plain = [llama.generate(**kwargs, **c) for c in configs]
+    calls = []
+    original = _Engine._compute_prefill
+    monkeypatch.setattr(_Engine, "_compute_prefill", lambda self, *a: calls.append(1) or original(self, *a))
+    with shared_prefill():
+        shared = [llama.generate(**kwargs, **c) for c in configs]
+        llama.generate(**{**kwargs, "input_ids": ids.flip(0), "attention_mask": mask.flip(0)}, **configs[0])
+    assert all(torch.equal(a, b) for a, b in zip(plain, shared))
+    assert len(calls) == 2  # the first config's prefill served the other two; other prompts computed anew
+    llama.generate(**kwargs, **configs[0])
+    assert len(calls) == 3  # nothing is kept outside the block

@@ -83,3 +83,20 @@ def test_bench_end_to_end_on_the_real_model(tmp_path, capsys):
     assert (out / "acceptance_vs_budget.png").stat().st_size > 0
     printed = capsys.readouterr().out
     assert "identical" in printed and "NO" not in printed.split("identical", 1)[1]
+
+
+def test_acceptance_command_checks_arguments_and_renders_a_table(monkeypatch, capsys):
+    from hf_magicdec import models
+    from hf_magicdec.bench import acceptance
+
+    monkeypatch.setattr(models, "load", lambda *a, **k: pytest.fail("loaded a model despite bad arguments"))
+    for argv, fragment in ((["--batch", "0"], "--batch"), (["--drafts", "nope"], "nope"), (["--gamma", "40"], "gamma")):
+        with pytest.raises(SystemExit):
+            acceptance.main(argv)
+        assert fragment in capsys.readouterr().err
+    rows = [dict(context=c, draft=d, budget=b, acceptance_rate=a, tokens_per_step=t, identical=True)
+            for c, d, b, a, t in ((2048, "snapkv", 128, 0.8, 3.5), (2048, "streamingllm", 128, 0.7, 3.1),
+                                  (4096, "snapkv", 128, 0.75, 3.3))]
+    table = acceptance.markdown(rows).splitlines()
+    assert table[0] == "| context | snapkv 128 | streamingllm 128 |"
+    assert table[2] == "| 2048 | 0.800 (3.50) | 0.700 (3.10) |" and table[3] == "| 4096 | 0.750 (3.30) | - |"

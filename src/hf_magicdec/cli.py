@@ -1,6 +1,7 @@
 """``hf-magicdec``: the command-line entry point.
 
     hf-magicdec bench ...   decode speedup, acceptance and tokens per step vs stock ``generate``
+    hf-magicdec acceptance ...  acceptance rate over draft views x budgets x contexts
     hf-magicdec plan  ...   the cost model's choice of draft view, budget and gamma
 
 Each subcommand lives in its own module (``hf_magicdec.bench``, ``hf_magicdec.costmodel.cli``)
@@ -15,6 +16,7 @@ import sys
 #: subcommand -> (module with ``main(argv) -> int``, one-line help)
 COMMANDS = {
     "bench": ("hf_magicdec.bench", "benchmark speculative decoding against stock generate"),
+    "acceptance": ("hf_magicdec.bench.acceptance", "acceptance over draft views x budgets x contexts (shared prefill)"),
     "plan": ("hf_magicdec.costmodel.cli", "print the planner's choice and a predicted-speedup grid"),
 }
 

@@ -16,6 +16,7 @@ the working batch at once, so no row ever waits for another.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import os
 import time
 from typing import Any
@@ -139,6 +140,32 @@ def _magicdec_attention(model):
             cfg._attn_implementation = value
 
 
+_SHARED_PREFILL: contextvars.ContextVar[list | None] = contextvars.ContextVar("hf_magicdec_shared_prefill", default=None)
+
+
+@contextlib.contextmanager
+def shared_prefill():
+    """Reuse one prefill across the MagicDec ``generate`` calls inside the block.
+
+    For sweeps over draft views, budgets and gamma on the same prompts (acceptance studies), where
+    prefill dominates: the first call's prefilled cache is kept, and a later call with the same
+    prompts, positions, padding and prefill chunking gets a copy of it instead of recomputing it.
+    Prefill does not depend on the draft configuration, so outputs are unchanged; only the
+    reported ``prefill_seconds`` of reused calls is meaningless (it measures a copy).
+
+    Examples
+    --------
+    >>> with shared_prefill():
+    ...     for budget in (128, 256, 512):
+    ...         model.generate(ids, speculative="magicdec", draft_budget=budget, max_new_tokens=64)
+    """
+    token = _SHARED_PREFILL.set([])
+    try:
+        yield
+    finally:
+        _SHARED_PREFILL.reset(token)
+
+
 def _profile_sync(device: torch.device) -> None:
     if device.type == "cuda" and os.environ.get("HF_MAGICDEC_PROFILE") == "1":
         torch.cuda.synchronize(device)
@@ -186,10 +213,22 @@ class _Engine:
 
     def _prefill(self, input_ids, position_ids, pad, capacity: int) -> torch.Tensor:
         """Build ``self.cache`` and fill it with the prompt in chunks; returns the last logits ``[B, 1, V]``."""
+        observe = self.view.observation_window(self.config) if self.config.gamma > 0 else 0  # gamma 0: no view
+        store = _SHARED_PREFILL.get()
+        if store is not None:
+            for entry in store:
+                if entry.matches(input_ids, position_ids, pad, self.chunk, capacity, observe):
+                    self.cache = entry.restore(observe)
+                    return entry.logits.clone()
+        logits = self._compute_prefill(input_ids, position_ids, pad, capacity, observe)
+        if store is not None:
+            store.append(_PrefillEntry(input_ids, position_ids, pad, self.chunk, capacity, observe, self.cache, logits))
+        return logits
+
+    def _compute_prefill(self, input_ids, position_ids, pad, capacity: int, observe: int) -> torch.Tensor:
         batch, prompt = input_ids.shape
         self.cache = MagicDecCache(self.model.config.num_hidden_layers, batch, capacity, pad)
-        if self.config.gamma > 0:  # gamma 0 builds no view: nothing to observe
-            self.cache.observation_window = self.view.observation_window(self.config)
+        self.cache.observation_window = observe
         slot = torch.arange(prompt, device=input_ids.device)
         for start in range(0, prompt, self.chunk):
             end = min(prompt, start + self.chunk)
@@ -433,6 +472,39 @@ class _Engine:
             past_key_values=None,
             speculation=stats,
         )
+
+
+class _PrefillEntry:
+    """A prefilled cache kept by :func:`shared_prefill` (copied out, never handed out itself)."""
+
+    def __init__(self, input_ids, position_ids, pad, chunk, capacity, observe, cache, logits):
+        self.input_ids, self.position_ids, self.pad = input_ids.clone(), position_ids.clone(), pad.clone()
+        self.chunk, self.capacity, self.observe = chunk, capacity, observe
+        self.logits = logits.clone()
+        self.layers = [
+            (layer.keys.clone(), layer.values.clone(),
+             None if layer.observed_queries is None else layer.observed_queries.clone(), layer.scaling)
+            for layer in cache.layers
+        ]
+        self.prompt = cache.max_length()
+
+    def matches(self, input_ids, position_ids, pad, chunk, capacity, observe) -> bool:
+        return (
+            chunk == self.chunk and capacity <= self.capacity and observe <= self.observe
+            and input_ids.shape == self.input_ids.shape and torch.equal(input_ids, self.input_ids)
+            and torch.equal(position_ids, self.position_ids) and torch.equal(pad, self.pad)
+        )
+
+    def restore(self, observe: int) -> MagicDecCache:
+        cache = MagicDecCache(len(self.layers), self.input_ids.shape[0], self.capacity, self.pad.clone())
+        cache.observation_window = observe
+        for layer, (keys, values, queries, scaling) in zip(cache.layers, self.layers):
+            layer.keys, layer.values = keys.clone(), values.clone()
+            layer.device, layer.dtype, layer.is_initialized = keys.device, keys.dtype, True
+            layer.observed_queries = queries[:, :, queries.shape[2] - observe :].clone() if observe else None
+            layer.scaling = scaling
+        cache.end_prefill(self.prompt)
+        return cache
 
 
 def _left_padding(attention_mask, batch: int, device) -> torch.Tensor:

@@ -33,6 +33,8 @@ def build_parser(prog: str = "hf-magicdec bench") -> argparse.ArgumentParser:
                     help="let rows stop at EOS (default: every row decodes exactly --new-tokens, as the reference)")
     ap.add_argument("--assistant", default=None,
                     help="also run HF assisted generation at batch 1 with this draft model (same tokenizer)")
+    ap.add_argument("--prefill-chunk", type=int, default=None,
+                    help="prefill chunk size for every method (default: stock prefills at once, MagicDec in 1024s)")
     ap.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     ap.add_argument("--out", default="bench_out", help="folder for results.jsonl and plots")
     ap.add_argument("--quiet", action="store_true", help="no progress bars")
@@ -53,7 +55,7 @@ def main(argv: list[str] | None = None, prog: str = "hf-magicdec bench") -> int:
             contexts=tuple(args.context), new_tokens=args.new_tokens, drafts=tuple(args.draft),
             budgets=tuple(args.budget), gammas=tuple(args.gamma), text=args.text, repeats=args.repeats,
             warmup=not args.no_warmup, own_ar=not args.no_own_ar, stop_at_eos=args.stop_at_eos,
-            assistant=args.assistant,
+            assistant=args.assistant, prefill_chunk=args.prefill_chunk,
         )
     except ValueError as exc:
         ap.error(str(exc))

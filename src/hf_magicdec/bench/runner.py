@@ -43,6 +43,7 @@ class BenchSpec:
     own_ar: bool = True
     stop_at_eos: bool = False
     assistant: str | None = None
+    prefill_chunk: int | None = None  # passed to every method as generation_config.prefill_chunk_size
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -53,6 +54,8 @@ class BenchSpec:
                 raise ValueError(f"{name} must be positive ints, got {values!r}")
         if self.new_tokens < 2:
             raise ValueError(f"new_tokens must be >= 2 (decode starts after the first token), got {self.new_tokens=}")
+        if self.prefill_chunk is not None and self.prefill_chunk < 1:
+            raise ValueError(f"prefill_chunk must be >= 1, got {self.prefill_chunk=}")
         if self.repeats < 1:
             raise ValueError(f"repeats must be >= 1, got {self.repeats=}")
         for draft in self.drafts:
@@ -224,13 +227,15 @@ def run(spec: BenchSpec, progress: bool = True, on_result: Callable[[Result], No
                                    device_map=None if device.type == "cpu" else str(device))
     info = ModelInfo.of(model)
     env = environment(device)
-    eos = {} if spec.stop_at_eos else {"eos_token_id": None}
+    extra = {} if spec.stop_at_eos else {"eos_token_id": None}
+    if spec.prefill_chunk is not None:
+        extra["prefill_chunk_size"] = spec.prefill_chunk
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
 
     def generate(ids, new_tokens, clock=None, **kwargs):
         return model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
                               min_new_tokens=None, do_sample=False, streamer=clock, pad_token_id=pad_id,
-                              **eos, **kwargs)
+                              **extra, **kwargs)
 
     points = [(b, c) for c in spec.contexts for b in spec.batches]
     configs = {c: spec.configs(c) for c in spec.contexts}
