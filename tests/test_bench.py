@@ -100,3 +100,25 @@ def test_acceptance_command_checks_arguments_and_renders_a_table(monkeypatch, ca
     table = acceptance.markdown(rows).splitlines()
     assert table[0] == "| context | snapkv 128 | streamingllm 128 |"
     assert table[2] == "| 2048 | 0.800 (3.50) | 0.700 (3.10) |" and table[3] == "| 4096 | 0.750 (3.30) | - |"
+
+
+@pytest.mark.slow
+def test_ruler_mode_scores_both_paths_equally(tmp_path, capsys):
+    out = tmp_path / "ruler"
+    code = bench_main(["--ruler", "niah_single", "--context", "512", "--ruler-samples", "2", "--draft", "snapkv",
+                       "--budget", "64", "--gamma", "2", "--out", str(out), "--quiet"])
+    assert code == 0
+    rows = [json.loads(line) for line in (out / "ruler.jsonl").read_text().splitlines()]
+    assert [r["method"] for r in rows] == ["stock generate", "magicdec snapkv/64 γ=2"]
+    assert rows[1]["identical"] is True and rows[0]["accuracy"] == rows[1]["accuracy"]
+    assert rows[0]["samples"] == 2 and 0 <= rows[1]["acceptance_rate"] <= 1
+    assert "niah_single" in capsys.readouterr().out
+
+
+def test_unknown_ruler_task_is_refused_before_loading(monkeypatch, capsys):
+    from hf_magicdec import models
+
+    monkeypatch.setattr(models, "load", lambda *a, **k: pytest.fail("loaded a model despite bad arguments"))
+    with pytest.raises(SystemExit):
+        bench_main(["--ruler", "niah_single", "needle"])
+    assert "needle" in capsys.readouterr().err

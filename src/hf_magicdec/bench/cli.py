@@ -35,6 +35,10 @@ def build_parser(prog: str = "hf-magicdec bench") -> argparse.ArgumentParser:
                     help="also run HF assisted generation at batch 1 with this draft model (same tokenizer)")
     ap.add_argument("--prefill-chunk", type=int, default=None,
                     help="prefill chunk size for every method (default: stock prefills at once, MagicDec in 1024s)")
+    ap.add_argument("--ruler", nargs="+", default=None, metavar="TASK",
+                    help="RULER mode: these tasks (niah_single niah_multikey niah_multivalue niah_multiquery vt cwe "
+                         "fwe qa, or 'all') instead of book text; --context gives the lengths")
+    ap.add_argument("--ruler-samples", type=int, default=8, help="samples (batch rows) per RULER task and length")
     ap.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     ap.add_argument("--out", default="bench_out", help="folder for results.jsonl and plots")
     ap.add_argument("--quiet", action="store_true", help="no progress bars")
@@ -59,13 +63,43 @@ def main(argv: list[str] | None = None, prog: str = "hf-magicdec bench") -> int:
         )
     except ValueError as exc:
         ap.error(str(exc))
+    tasks = None
+    if args.ruler:
+        from ..ruler import TASKS
+
+        tasks = list(TASKS) if args.ruler == ["all"] else args.ruler
+        bad = [t for t in tasks if t not in TASKS]
+        if bad:
+            ap.error(f"unknown RULER task(s) {bad}; choose from {list(TASKS)} or 'all'")
+        if args.ruler_samples < 1:
+            ap.error(f"--ruler-samples must be >= 1, got {args.ruler_samples}")
     if args.threads is not None:
         if args.threads < 1:
             ap.error(f"--threads must be >= 1, got {args.threads}")
         import torch
 
         torch.set_num_threads(args.threads)
+    if tasks:
+        return run_ruler_and_report(spec, tasks, args.ruler_samples, Path(args.out), progress=not args.quiet)
     return run_and_report(spec, Path(args.out), progress=not args.quiet)
+
+
+def run_ruler_and_report(spec, tasks, samples, out: Path, progress: bool = True) -> int:
+    from .report import write_jsonl
+    from .ruler_mode import ruler_table, run_ruler
+
+    out.mkdir(parents=True, exist_ok=True)
+    rows, env = run_ruler(spec, tasks, samples, progress=progress)
+    (out / "ruler.jsonl").unlink(missing_ok=True)
+    write_jsonl(out / "ruler.jsonl", rows)
+    print(f"\nRULER-style tasks, {spec.model} {spec.dtype} on {env['device']}, greedy, {samples} samples per task")
+    print(ruler_table(rows))
+    print(f"\nrows: {out / 'ruler.jsonl'}")
+    bad = [r for r in rows if r["identical"] is False]
+    if bad:
+        print(f"\n{len(bad)} run(s) differed from stock generate", file=sys.stderr)
+        return 1
+    return 0
 
 
 def run_and_report(spec, out: Path, progress: bool = True, title_prefix: str = "") -> int:
