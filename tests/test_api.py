@@ -29,7 +29,12 @@ from hf_magicdec import MagicDecConfig, MagicDecOutput
 from conftest import EOS, VOCAB, make_model, ragged_prompts
 
 
+# Explicit settings: the engine runs (with everything left "auto", the planner may decode plainly).
+ENGINE = dict(draft_budget=12, sink_tokens=2, gamma=3)
+
+
 @pytest.fixture()
+
 def llama(tiny_models):
     return tiny_models("llama-gqa3")
 
@@ -139,7 +144,7 @@ def test_num_return_sequences(llama, batch):
     ids, mask = batch
     torch.manual_seed(0)
     out = llama.generate(input_ids=ids, attention_mask=mask, max_new_tokens=8, do_sample=True,
-                         num_return_sequences=3, speculative="magicdec")
+                         num_return_sequences=3, speculative="magicdec", **ENGINE)
     assert out.shape == (9, 38)
     assert torch.equal(out[0, :30], out[2, :30]) and torch.equal(out[3, :30], ids[1])
 
@@ -192,7 +197,7 @@ def test_streamer_batch_two_raises_hf_error(llama, batch):
             return ""
 
     with pytest.raises(ValueError, match="TextStreamer only supports batch size 1"):
-        _gen(llama, ids, mask, streamer=TextStreamer(_Tok()), speculative="magicdec")
+        _gen(llama, ids, mask, streamer=TextStreamer(_Tok()), speculative="magicdec", **ENGINE)
 
 
 class _StopOnToken(StoppingCriteria):
@@ -332,11 +337,11 @@ def test_failure_restores_model(llama, batch, exc):
     attn_before = llama.config._attn_implementation
     gc_before = llama.generation_config.to_dict()
     with pytest.raises(type(exc)):
-        _gen(llama, ids, mask, speculative="magicdec", stopping_criteria=StoppingCriteriaList([_Boom(exc)]))
+        _gen(llama, ids, mask, speculative="magicdec", stopping_criteria=StoppingCriteriaList([_Boom(exc)]), **ENGINE)
     assert llama.config._attn_implementation == attn_before
     assert llama.generation_config.to_dict() == gc_before
     # And the model still generates exactly as before.
-    assert torch.equal(_gen(llama, ids, mask), _gen(llama, ids, mask, speculative="magicdec"))
+    assert torch.equal(_gen(llama, ids, mask), _gen(llama, ids, mask, speculative="magicdec", **ENGINE))
 
 
 def test_shared_prefill_reuses_one_prefill_and_changes_nothing(llama, monkeypatch):

@@ -116,7 +116,8 @@ def test_unpadded_batch_and_single_row(tiny_models):
                          draft_budget=20, sink_tokens=2)
     _assert_same(ref, out, "unpadded")
     ref1 = model.generate(input_ids=ids[:1], max_new_tokens=17, do_sample=False)
-    out1 = model.generate(input_ids=ids[:1], max_new_tokens=17, do_sample=False, speculative="magicdec")
+    out1 = model.generate(input_ids=ids[:1], max_new_tokens=17, do_sample=False, speculative="magicdec",
+                          draft_budget=20, sink_tokens=2, gamma=3)
     _assert_same(ref1, out1, "batch 1")
 
 

@@ -204,7 +204,8 @@ class MagicDecCache(Cache):
         layer.scaling = scaling
 
     # ------------------------------------------------------------------ draft views
-    def build_draft_views(self, view: DraftView, config: "MagicDecConfig", prompt_slots: int, max_new_tokens: int):
+    def build_draft_views(self, view: DraftView, config: "MagicDecConfig", prompt_slots: int, max_new_tokens: int,
+                          scratch: int | None = None):
         """Select every layer's draft view from the prefilled prompt.
 
         The view of row ``b`` has ``Ks + W`` slots. With ``n`` real prompt tokens, the static part
@@ -213,9 +214,12 @@ class MagicDecCache(Cache):
         selected among the tokens before those. So no token is ever in the view twice, a prompt
         shorter than the budget is kept whole, and budget the prompt does not use goes to the
         window.
+        
+        ``scratch`` is the number of draft slots per step (default ``config.gamma``; the largest
+        γ when γ adapts during generation).
         """
         self.view = view
-        self.gamma = config.gamma
+        self.gamma = config.gamma if scratch is None else scratch  # draft slots per step (adaptive: the max)
         ks = view.static_slots(config, prompt_slots)
         w = view.window_slots(config, prompt_slots, max_new_tokens)
         self.static_slots, self.window_slots = ks, w

@@ -14,32 +14,59 @@ from typing import Any
 #: Method names accepted by ``generate(speculative=...)``.
 SPECULATIVE_METHODS = ("magicdec",)
 
+#: A field left to the planner (:func:`hf_magicdec.plan`).
+AUTO = "auto"
+
+# Used when only some fields are left to the planner and it has no candidate (prompt shorter
+# than every budget it considers), and by scripts that want a fixed, known configuration.
 DEFAULT_DRAFT = "streamingllm"
 DEFAULT_BUDGET = 256
 DEFAULT_GAMMA = 3
 DEFAULT_SINK_TOKENS = 16
 DEFAULT_WINDOW = 32
 DEFAULT_PREFILL_CHUNK = 1024
+DEFAULT_MAX_GAMMA = 8
 MAX_GAMMA = 32
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 @dataclass(frozen=True)
 class MagicDecConfig:
     """Configuration of one ``speculative="magicdec"`` generation.
 
+    ``draft``, ``draft_budget`` and ``gamma`` default to ``"auto"``: the planner
+    (:func:`hf_magicdec.plan`, see ``docs/cost_model.md``) picks them per call from the batch size,
+    prompt length, new tokens, the model's shapes and the device (its cached calibration when
+    there is one). When both ``draft_budget`` and ``gamma`` are ``"auto"`` and the planner predicts
+    no speedup (short contexts, small batches), ``generate`` decodes exactly as stock ``generate``
+    does. Fields set explicitly are always honoured.
+
     Parameters
     ----------
     draft : str
         Draft view: ``"streamingllm"`` (sink tokens + recent window), ``"snapkv"`` (per-KV-head
-        selection scored by the last ``window`` prompt queries + recent window) or ``"full"``
-        (the whole cache; every draft token is accepted, a sanity mode).
-    draft_budget : int
+        selection scored by the last ``window`` prompt queries + recent window), ``"full"``
+        (the whole cache; every draft token is accepted, a sanity mode) or ``"auto"``.
+    draft_budget : int or "auto"
         Tokens of KV per layer, per row and per KV head that the draft attends to (static
         selection plus rolling recent window). Ignored by ``"full"``.
-    gamma : int
+    gamma : int or "auto"
         Draft tokens per verification step (γ). Each step verifies γ+1 tokens. ``0`` turns
         drafting off: plain autoregressive decoding on the MagicDec cache (the benchmark's
         "own AR" baseline; no draft view is built).
+    adaptive_gamma : bool or None
+        Re-choose γ at every step from the acceptance observed so far (the same γ for every row,
+        so every rank of a tensor-parallel group decides alike), between 1 and ``max_gamma``.
+        Default (None): on when ``gamma="auto"``, off when γ is set.
+    max_gamma : int
+        Largest γ the planner and adaptive γ consider.
+    hardware : str or None
+        Device model the planner uses: a preset (``"a100"``, ``"h100"``, ``"h200"``, ``"l40s"``,
+        ``"cpu"``). Default: the cached calibration of this model on this device
+        (``hf-magicdec plan --calibrate``), else the preset matching the device.
     sink_tokens : int
         ``streamingllm`` only: the first tokens of the prompt that always stay in the view.
     window : int
@@ -63,11 +90,16 @@ class MagicDecConfig:
     --------
     >>> MagicDecConfig(draft="snapkv", draft_budget=512, gamma=4)
     MagicDecConfig(draft='snapkv', draft_budget=512, gamma=4, ...)
+    >>> MagicDecConfig().is_resolved      # everything left to the planner
+    False
     """
 
-    draft: str = DEFAULT_DRAFT
-    draft_budget: int = DEFAULT_BUDGET
-    gamma: int = DEFAULT_GAMMA
+    draft: str = AUTO
+    draft_budget: int | str = AUTO
+    gamma: int | str = AUTO
+    adaptive_gamma: bool | None = None
+    max_gamma: int = DEFAULT_MAX_GAMMA
+    hardware: str | None = None
     sink_tokens: int = DEFAULT_SINK_TOKENS
     window: int = DEFAULT_WINDOW
     recent_window: int | None = None
@@ -78,19 +110,31 @@ class MagicDecConfig:
         from .views import available_views
 
         names = available_views()
-        if not isinstance(self.draft, str) or self.draft not in names:
-            raise ValueError(f"Unknown draft view {self.draft=!r}; choose one of {sorted(names)}.")
-        for name in ("draft_budget", "gamma", "sink_tokens", "window", "pool_kernel", "prefill_chunk_size"):
+        if not isinstance(self.draft, str) or (self.draft != AUTO and self.draft not in names):
+            raise ValueError(f"Unknown draft view {self.draft=!r}; choose one of {sorted(names)} or 'auto'.")
+        for name in ("sink_tokens", "window", "pool_kernel", "prefill_chunk_size", "max_gamma"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int):
+            if not _is_int(value):
                 raise ValueError(f"{name} must be an int, got {value!r} ({type(value).__name__}).")
-        if not 0 <= self.gamma <= MAX_GAMMA:
+        for name in ("draft_budget", "gamma"):
+            value = getattr(self, name)
+            if value != AUTO and not _is_int(value):
+                raise ValueError(f"{name} must be an int or 'auto', got {value!r} ({type(value).__name__}).")
+        if self.draft_budget != AUTO and self.draft_budget < 1:
+            raise ValueError(f"draft_budget must be >= 1, got {self.draft_budget=}.")
+        if self.gamma != AUTO and not 0 <= self.gamma <= MAX_GAMMA:
             raise ValueError(f"gamma must be in [0, {MAX_GAMMA}], got {self.gamma=}.")
+        if not 1 <= self.max_gamma <= MAX_GAMMA:
+            raise ValueError(f"max_gamma must be in [1, {MAX_GAMMA}], got {self.max_gamma=}.")
+        if self.adaptive_gamma is not None and not isinstance(self.adaptive_gamma, bool):
+            raise ValueError(f"adaptive_gamma must be True, False or None, got {self.adaptive_gamma=!r}.")
+        if self.hardware is not None:
+            from .costmodel.hardware import get_hardware
+
+            get_hardware(self.hardware)  # names the bad value
         if self.sink_tokens < 0:
             raise ValueError(f"sink_tokens must be >= 0, got {self.sink_tokens=}.")
-        if self.recent_window is not None and (
-            isinstance(self.recent_window, bool) or not isinstance(self.recent_window, int) or self.recent_window < 1
-        ):
+        if self.recent_window is not None and (not _is_int(self.recent_window) or self.recent_window < 1):
             raise ValueError(f"recent_window must be a positive int or None, got {self.recent_window=!r}.")
         if self.window < 1:
             raise ValueError(f"window must be >= 1, got {self.window=}.")
@@ -98,12 +142,29 @@ class MagicDecConfig:
             raise ValueError(f"pool_kernel must be a positive odd int, got {self.pool_kernel=}.")
         if self.prefill_chunk_size < 1:
             raise ValueError(f"prefill_chunk_size must be >= 1, got {self.prefill_chunk_size=}.")
-        # The rolling window takes up to gamma+1 committed tokens per step without overwriting
-        # itself, so it must hold at least that many.
-        from .views import get_view
+        if self.is_resolved:
+            # The rolling window takes up to gamma+1 committed tokens per step without overwriting
+            # itself, so it must hold at least that many.
+            from .views import get_view
 
-        view = get_view(self.draft)
-        view.check_config(self)
+            get_view(self.draft).check_config(self)
+
+    @property
+    def is_resolved(self) -> bool:
+        """True when no field is left to the planner."""
+        return AUTO not in (self.draft, self.draft_budget, self.gamma)
+
+    @property
+    def planner_may_decline(self) -> bool:
+        """Whether the planner may choose plain decoding (both budget and γ were left to it)."""
+        return self.draft_budget == AUTO and self.gamma == AUTO
+
+    @property
+    def adaptive(self) -> bool:
+        """Whether γ is re-chosen during generation."""
+        if self.gamma == 0:
+            return False
+        return self.gamma == AUTO if self.adaptive_gamma is None else self.adaptive_gamma
 
     def replace(self, **changes: Any) -> "MagicDecConfig":
         """Return a copy with ``changes`` applied (validated again)."""

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from transformers.generation.stopping_criteria import StopStringCriteria, StoppingCriteriaList
 
-from . import attention
+from . import attention, auto
 from .cache import MagicDecCache
 from .config import MagicDecConfig
 from .outputs import MagicDecOutput, SpeculationStats
@@ -47,8 +47,9 @@ def generate(
     tokenizer=None,
     speculative: Any = None,
     draft: str | None = None,
-    draft_budget: int | None = None,
-    gamma: int | None = None,
+    draft_budget: int | str | None = None,
+    gamma: int | str | None = None,
+    adaptive_gamma: bool | None = None,
     sink_tokens: int | None = None,
     window: int | None = None,
     recent_window: int | None = None,
@@ -96,6 +97,7 @@ def generate(
         draft=draft,
         draft_budget=draft_budget,
         gamma=gamma,
+        adaptive_gamma=adaptive_gamma,
         sink_tokens=sink_tokens,
         window=window,
         recent_window=recent_window,
@@ -117,9 +119,27 @@ def generate(
     check_generation_config(generation_config)
     model_kwargs = check_model_kwargs(model_kwargs)
     chunk = generation_config.prefill_chunk_size or config.prefill_chunk_size
+    batch, prompt = input_ids.shape
+    _left_padding(model_kwargs.get("attention_mask"), batch, input_ids.device)  # refuse right padding up front
+    resolution = auto.resolve(config, model, batch, prompt, max(generation_config.max_length - prompt, 0))
+    if resolution.config is None:
+        # The planner predicts no speedup: decode exactly as stock `generate` does (which would
+        # have streamed the prompt before decoding; the routing kept the streamer from it).
+        if streamer is not None:
+            streamer.put(input_ids.cpu())
+        out = type(model)._sample(
+            model, input_ids, logits_processor=logits_processor, stopping_criteria=stopping_criteria,
+            generation_config=generation_config, synced_gpus=synced, streamer=streamer, **model_kwargs
+        )
+        if not generation_config.return_dict_in_generate:
+            return out
+        stats = SpeculationStats(accepted_lengths=[[] for _ in range(batch)], draft="none (planner: plain decoding)",
+                                 plan=resolution.plan.to_dict() if resolution.plan is not None else None)
+        return MagicDecOutput(**{k: v for k, v in out.items()}, speculation=stats)
 
     with _magicdec_attention(model):
-        engine = _Engine(model, config, generation_config, logits_processor, stopping_criteria, streamer, chunk)
+        engine = _Engine(model, resolution.config, generation_config, logits_processor, stopping_criteria, streamer,
+                         chunk, resolution)
         return engine.run(input_ids, model_kwargs.get("attention_mask"), model_kwargs.get("position_ids"))
 
 
@@ -175,8 +195,10 @@ class _Engine:
     """State of one generation. Tensors named ``*_all`` are indexed by original row; the others by
     position in the working (unfinished) batch, whose original indices are ``self.rows``."""
 
-    def __init__(self, model, config, generation_config, logits_processor, stopping_criteria, streamer, chunk):
+    def __init__(self, model, config, generation_config, logits_processor, stopping_criteria, streamer, chunk,
+                 resolution=None):
         self.model = model
+        self.resolution = resolution if resolution is not None else auto.Resolution(config)
         self.config = config
         self.gen = generation_config
         self.logits_processor = logits_processor
@@ -247,21 +269,33 @@ class _Engine:
         gen, config = self.gen, self.config
         device = input_ids.device
         batch, prompt = input_ids.shape
-        gamma = config.gamma
         max_new = max(gen.max_length - prompt, 0)
+        gamma, controller = config.gamma, None
+        scratch = gamma  # draft slots per step the cache holds
+        if config.adaptive:
+            # gamma + 1 committed tokens must fit in the rolling window without overwriting it.
+            window = self.view.window_slots(config, prompt, max_new)
+            scratch = max(1, min(max(config.max_gamma, gamma), window - 1))
+            res = self.resolution
+            prior = res.plan.acceptance if res.plan is not None and res.plan.acceptance else 0.8
+            controller = auto.GammaController(gamma, scratch, prior, res.draft_ratio, res.verify_ratio)
+            gamma = controller.gamma
         pad_id = int(gen._pad_token_tensor.item()) if gen._pad_token_tensor is not None else 0
         eos = gen._eos_token_tensor
         eos = eos.to(device) if eos is not None else None
         pad = _left_padding(attention_mask, batch, device)
         if position_ids is None:
             position_ids = (torch.arange(prompt, device=device)[None, :] - pad[:, None]).clamp(min=0)
-        capacity = prompt + max_new + gamma + 1
+        capacity = prompt + max_new + scratch + 1
         rb = RaggedBatch(input_ids, capacity, self.logits_processor, self.stopping_criteria, pad_id)
         stats = SpeculationStats(
             accepted_lengths=[[] for _ in range(batch)],
-            gamma=gamma,
+            gamma=config.gamma,
             draft=config.draft,
             draft_budget=config.draft_budget,
+            adaptive_gamma=controller is not None,
+            row_gammas=[[] for _ in range(batch)],
+            plan=self.resolution.plan.to_dict() if self.resolution.plan is not None else None,
         )
         want_scores = gen.return_dict_in_generate and gen.output_scores
         want_logits = gen.return_dict_in_generate and gen.output_logits
@@ -284,7 +318,7 @@ class _Engine:
         scores = rb.process(rows, seq_len, first_logits[:, None])[:, 0]
         first = torch.multinomial(torch.softmax(scores, -1), 1).squeeze(1) if self.do_sample else scores.argmax(-1)
         if gamma > 0:
-            self.cache.build_draft_views(self.view, config, prompt, max_new)
+            self.cache.build_draft_views(self.view, config, prompt, max_new, scratch=scratch)
         _profile_sync(device)
         stats.prefill_seconds = time.perf_counter() - t0
 
@@ -321,7 +355,7 @@ class _Engine:
 
             # Draft gamma tokens on the draft view.
             t_step = time.perf_counter()
-            drafts, draft_probs = self._draft(rb, rows, seq_len[rows], pending)
+            drafts, draft_probs = self._draft(rb, rows, seq_len[rows], pending, gamma)
             _profile_sync(device)
             t_mid = time.perf_counter()
             # Verify gamma + 1 tokens on the full cache.
@@ -342,14 +376,22 @@ class _Engine:
             stats.draft_seconds += t_mid - t_step
             stats.verify_seconds += time.perf_counter() - t_mid
             stats.steps += 1
+            stats.gamma_trace.append(gamma)
             for orig, n in zip(rows.tolist(), accepted.tolist()):
                 stats.accepted_lengths[orig].append(n)
+                stats.row_gammas[orig].append(gamma)
+            if controller is not None:
+                gamma = controller.update(int(accepted.sum()), gamma * int(accepted.numel()))
             new_tokens = torch.cat([drafts, nxt[:, None]], dim=1)
             new_tokens.scatter_(1, accepted[:, None], nxt[:, None])  # [b, gamma+1]; first n+1 are real
             num_new = accepted + 1
             step_scores, step_logits = target_scores, target_logits
         _profile_sync(device)
         stats.decode_seconds = time.perf_counter() - t_decode
+        if config.gamma != 0:
+            drafted = sum(sum(g) for g in stats.row_gammas)
+            auto.record_acceptance(self.model, config.draft, config.draft_budget,
+                                   sum(sum(a) for a in stats.accepted_lengths), drafted)
         if self.streamer is not None:
             self.streamer.end()
         return self._finish(rb, seq_len, prompt, pad_id, stats, row_scores, row_logits)
@@ -401,18 +443,18 @@ class _Engine:
             finished = at_cap
         return keep, finished
 
-    def _draft(self, rb, rows, seq_len_rows, pending):
+    def _draft(self, rb, rows, seq_len_rows, pending, gamma: int):
         """gamma single-token forwards on the draft view. Returns ``drafts [b, gamma]`` and, when
         sampling, ``draft_probs [b, gamma, V]``."""
-        if self.config.gamma == 0:
+        if gamma == 0:
             return pending.new_empty((pending.shape[0], 0)), None
         cache = self.cache
         pad = cache.pad
         base_valid = cache.draft_valid()  # [b, Ks + W]
-        ones = torch.ones((base_valid.shape[0], self.config.gamma), dtype=torch.bool, device=base_valid.device)
+        ones = torch.ones((base_valid.shape[0], gamma), dtype=torch.bool, device=base_valid.device)
         tok = pending[:, None]
         drafts, probs = [], []
-        for i in range(self.config.gamma):
+        for i in range(gamma):
             cache.begin_draft(i)
             mask = torch.cat([base_valid, ones[:, : i + 1]], dim=1)[:, None, None, :]
             positions = (cache.lengths - pad + i)[:, None]

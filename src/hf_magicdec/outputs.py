@@ -15,15 +15,24 @@ class SpeculationStats:
     ----------
     accepted_lengths : list[list[int]]
         For each row, the number of draft tokens accepted at each of its verification steps
-        (0..gamma). A row emits ``accepted + 1`` tokens per step.
+        (0..γ of that step). A row emits ``accepted + 1`` tokens per step.
+    row_gammas : list[list[int]]
+        For each row, the γ of each of its verification steps (constant unless γ adapts).
     gamma : int
-        Draft tokens per step.
+        Draft tokens per step as configured (the starting γ when it adapts).
+    gamma_trace : list[int]
+        γ of every verification step, in order.
+    adaptive_gamma : bool
+        Whether γ was re-chosen during generation.
     draft : str
         Draft view name.
     draft_budget : int
         Tokens per layer, row and KV head in the draft view (static + rolling window).
     steps : int
         Verification forwards run (the batch shrinks as rows finish).
+    plan : dict or None
+        The planner's decision (:class:`hf_magicdec.costmodel.Plan` as a dict) when fields were
+        left ``"auto"``.
     prefill_seconds, decode_seconds, draft_seconds, verify_seconds : float
         Wall-clock split (host timers; on CUDA only meaningful with ``HF_MAGICDEC_PROFILE=1``,
         which synchronises the device at each boundary).
@@ -38,11 +47,20 @@ class SpeculationStats:
     decode_seconds: float = 0.0
     draft_seconds: float = 0.0
     verify_seconds: float = 0.0
+    row_gammas: list[list[int]] = field(default_factory=list)
+    gamma_trace: list[int] = field(default_factory=list)
+    adaptive_gamma: bool = False
+    plan: dict | None = None
+
+    def _drafted(self, row: int) -> int:
+        if self.row_gammas and self.row_gammas[row]:
+            return sum(self.row_gammas[row])
+        return len(self.accepted_lengths[row]) * self.gamma
 
     @property
     def acceptance_rate(self) -> float:
         """Accepted draft tokens / drafted tokens, over all rows and steps (α estimate)."""
-        drafted = sum(len(r) for r in self.accepted_lengths) * self.gamma
+        drafted = sum(self._drafted(r) for r in range(len(self.accepted_lengths)))
         return sum(sum(r) for r in self.accepted_lengths) / drafted if drafted else 0.0
 
     @property
@@ -51,14 +69,20 @@ class SpeculationStats:
         steps = sum(len(r) for r in self.accepted_lengths)
         return sum(sum(r) + len(r) for r in self.accepted_lengths) / steps if steps else 0.0
 
+    @property
+    def mean_gamma(self) -> float:
+        """Mean γ over verification steps."""
+        return sum(self.gamma_trace) / len(self.gamma_trace) if self.gamma_trace else float(self.gamma)
+
     def row_acceptance_rate(self, row: int) -> float:
         """Acceptance rate of one row."""
-        lengths = self.accepted_lengths[row]
-        return sum(lengths) / (len(lengths) * self.gamma) if lengths else 0.0
+        drafted = self._drafted(row)
+        return sum(self.accepted_lengths[row]) / drafted if drafted else 0.0
 
     def histogram(self) -> list[int]:
-        """Count of steps that accepted 0, 1, …, gamma draft tokens (all rows)."""
-        counts = [0] * (self.gamma + 1)
+        """Count of steps that accepted 0, 1, …, γ_max draft tokens (all rows)."""
+        top = max([self.gamma] + self.gamma_trace + [n for r in self.accepted_lengths for n in r])
+        counts = [0] * (top + 1)
         for row in self.accepted_lengths:
             for n in row:
                 counts[n] += 1
@@ -70,6 +94,8 @@ class SpeculationStats:
             "draft": self.draft,
             "draft_budget": self.draft_budget,
             "gamma": self.gamma,
+            "adaptive_gamma": self.adaptive_gamma,
+            "mean_gamma": round(self.mean_gamma, 3),
             "steps": self.steps,
             "acceptance_rate": round(self.acceptance_rate, 4),
             "tokens_per_step": round(self.tokens_per_step, 4),

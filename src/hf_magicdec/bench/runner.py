@@ -16,7 +16,7 @@ from typing import Any, Callable
 
 import torch
 
-from ..config import MagicDecConfig
+from ..config import DEFAULT_BUDGET, DEFAULT_DRAFT, MagicDecConfig
 from .harness import Measurement, environment, measure
 
 log = logging.getLogger("hf_magicdec")
@@ -267,7 +267,22 @@ def run(spec: BenchSpec, progress: bool = True, on_result: Callable[[Result], No
                 log.error("%s output differs from stock generate at B=%d S=%d", label, res.batch, res.context)
         if method != "assisted":  # the draft model's reads are not in this estimate
             res.bytes_read = _bytes_read(info, res)
+        # Baselines of the same point ran first: speedups are known now, so the row can be
+        # written at once and an interrupted run keeps everything it measured.
+        same = [r for r in results if (r.batch, r.context) == (res.batch, res.context)]
+        stock = next((r for r in same if r.method == ("stock-b1" if method == "assisted" else "stock")), None)
+        ar = next((r for r in same if r.method == "own-ar"), None)
+        if method in ("stock", "stock-b1"):
+            res.speedup_vs_stock = 1.0
+        elif stock is not None:
+            res.speedup_vs_stock = stock.m.decode_s / res.m.decode_s
+        if ar is not None and method != "assisted":
+            res.speedup_vs_ar = ar.m.decode_s / res.m.decode_s
+        elif method == "own-ar":
+            res.speedup_vs_ar = 1.0
         results.append(res)
+        if on_result is not None:
+            on_result(res)
         if outer is not None:
             outer.update(1)
         return res
@@ -277,34 +292,21 @@ def run(spec: BenchSpec, progress: bool = True, on_result: Callable[[Result], No
             ids = data.prompt_batch(tokenizer, batch, context, source=spec.text).to(device)
             stock = one("stock", "stock generate", ids, lambda clock, x, n: generate(x, n, clock))
             base = stock.m.sequences
-            point = [stock]
             if spec.own_ar:
-                cfg = MagicDecConfig(gamma=0)
-                point.append(one("own-ar", "own AR (gamma=0)", ids,
-                                 lambda clock, x, n, c=cfg: generate(x, n, clock, speculative=c,
-                                                                     return_dict_in_generate=True),
-                                 cfg, base))
+                cfg = MagicDecConfig(draft=DEFAULT_DRAFT, draft_budget=DEFAULT_BUDGET, gamma=0)
+                one("own-ar", "own AR (gamma=0)", ids,
+                    lambda clock, x, n, c=cfg: generate(x, n, clock, speculative=c, return_dict_in_generate=True),
+                    cfg, base)
             for cfg in configs[context]:
                 label = f"magicdec {cfg.draft}/{cfg.draft_budget} γ={cfg.gamma}"
-                point.append(one("magicdec", label, ids,
-                                 lambda clock, x, n, c=cfg: generate(x, n, clock, speculative=c,
-                                                                     return_dict_in_generate=True),
-                                 cfg, base))
-            ar = next((r for r in point if r.method == "own-ar"), None)
-            for r in point:
-                r.speedup_vs_stock = stock.m.decode_s / r.m.decode_s
-                r.speedup_vs_ar = ar.m.decode_s / r.m.decode_s if ar is not None else None
+                one("magicdec", label, ids,
+                    lambda clock, x, n, c=cfg: generate(x, n, clock, speculative=c, return_dict_in_generate=True),
+                    cfg, base)
             if assistant is not None:
                 ids1 = ids[:1]
                 s1 = one("stock-b1", "stock generate (batch 1)", ids1, lambda clock, x, n: generate(x, n, clock))
-                a1 = one("assisted", f"HF assisted ({spec.assistant})", ids1,
-                         lambda clock, x, n: generate(x, n, clock, assistant_model=assistant), None, s1.m.sequences)
-                s1.speedup_vs_stock = 1.0
-                a1.speedup_vs_stock = s1.m.decode_s / a1.m.decode_s
-                point += [s1, a1]
-            if on_result is not None:
-                for r in point:
-                    on_result(r)
+                one("assisted", f"HF assisted ({spec.assistant})", ids1,
+                    lambda clock, x, n: generate(x, n, clock, assistant_model=assistant), None, s1.m.sequences)
     if outer is not None:
         outer.close()
     return results, env, info

@@ -1,0 +1,187 @@
+"""From ``speculative="magicdec"`` with fields left ``"auto"`` to a concrete configuration.
+
+At the start of every ``generate`` call the planner (:mod:`hf_magicdec.costmodel`) sees the real
+workload (batch, prompt length, new tokens), the model's shapes and the device, and picks the
+draft view, budget and γ, or plain decoding. During the call, :class:`GammaController` re-picks γ
+each step from the acceptance observed so far, with the same cost model.
+
+Device model, in order: ``MagicDecConfig.hardware`` if set; the cached calibration of this model
+on this device and dtype (``hf-magicdec plan --model ... --calibrate``); the preset matching the
+GPU's name; the uncalibrated ``"cpu"`` preset. Acceptance α: what earlier generations of this
+model measured for the same draft view and budget (kept in memory for the process), else the
+documented prior (:func:`hf_magicdec.costmodel.default_acceptance`).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .config import AUTO, DEFAULT_BUDGET, DEFAULT_DRAFT, DEFAULT_GAMMA, MagicDecConfig
+
+log = logging.getLogger("hf_magicdec")
+
+# (model key, draft, budget) -> (accepted, drafted) over this process's generations.
+_OBSERVED: dict[tuple[str, str, int], tuple[int, int]] = {}
+_LOCK = threading.Lock()
+_PRIOR_WEIGHT = 32  # drafted tokens' worth of confidence in the prior when blending
+
+
+def _model_key(model) -> str:
+    return f"{getattr(model.config, '_name_or_path', '') or type(model).__name__}:{id(model.config)}"
+
+
+def record_acceptance(model, draft: str, budget: int, accepted: int, drafted: int) -> None:
+    """Remember what a finished generation measured, for the next plan."""
+    if drafted <= 0:
+        return
+    key = (_model_key(model), draft, budget)
+    with _LOCK:
+        a, d = _OBSERVED.get(key, (0, 0))
+        _OBSERVED[key] = (a + accepted, d + drafted)
+
+
+def observed_acceptance(model, draft: str, budget: int) -> float | None:
+    a, d = _OBSERVED.get((_model_key(model), draft, budget), (0, 0))
+    return a / d if d else None
+
+
+def _hardware_for(model, config: MagicDecConfig):
+    """``(HardwareSpec, description)`` the planner uses for this model."""
+    from .costmodel import get_hardware
+    from .costmodel.modelspec import ModelSpec
+
+    if config.hardware is not None:
+        return get_hardware(config.hardware), config.hardware
+    device = next(model.parameters()).device
+    try:
+        from .costmodel.calibrate import load_calibration
+
+        spec = ModelSpec.from_config(model.config, dtype=model.dtype)
+        name = getattr(model.config, "_name_or_path", None) or spec.name
+        cal = load_calibration(name, spec, device, model.dtype)
+        if cal is not None:
+            return cal.hardware(), f"calibrated {cal.device}"
+    except Exception as exc:  # a broken cache file must never break generate
+        log.debug("no usable calibration: %s", exc)
+    if device.type == "cuda":
+        gpu = torch.cuda.get_device_name(device).lower()
+        for key in ("h200", "h100", "a100", "l40s"):
+            if key in gpu.replace(" ", ""):
+                return get_hardware(key), key
+        log.info("no preset for GPU %r: planning with the h100 preset", gpu)
+        return get_hardware("h100"), "h100 (fallback)"
+    return get_hardware("cpu"), "cpu (uncalibrated)"
+
+
+@dataclass
+class Resolution:
+    """What ``generate`` runs: ``config`` (None = plain decoding), the plan behind it, and the cost
+    ratios adaptive γ needs (``draft_ratio`` = T_D/T_T, ``verify_ratio[g]`` = T_V(g)/T_T)."""
+
+    config: MagicDecConfig | None
+    plan: Any = None
+    draft_ratio: float | None = None
+    verify_ratio: dict[int, float] | None = None
+
+
+def resolve(config: MagicDecConfig, model, batch: int, prompt_len: int, new_tokens: int) -> Resolution:
+    """Fill the ``"auto"`` fields of ``config`` for this workload (see module docstring)."""
+    if config.is_resolved and not config.adaptive:
+        return Resolution(config)
+    from .costmodel import draft_step, plan, target_step, verify_step
+    from .costmodel.modelspec import ModelSpec
+
+    spec = ModelSpec.from_config(model.config, dtype=model.dtype)
+    hardware, where = _hardware_for(model, config)
+
+    def prior_or_observed(draft, budget, context):
+        from .costmodel import default_acceptance
+
+        seen = observed_acceptance(model, draft, budget)
+        return seen if seen is not None else default_acceptance(draft, budget, context)
+
+    kwargs = dict(batch_size=batch, prompt_len=max(prompt_len, 1), new_tokens=max(new_tokens, 1), hardware=hardware,
+                  acceptance=prior_or_observed)
+    if config.draft != AUTO:
+        kwargs["drafts"] = (config.draft,)
+    if config.draft_budget != AUTO:
+        kwargs["budgets"] = (config.draft_budget,)
+    if config.gamma != AUTO:
+        kwargs["gammas"] = (config.gamma,) if config.gamma > 0 else (1,)
+    else:
+        kwargs["gammas"] = tuple(range(1, config.max_gamma + 1))
+    p = plan(spec, **kwargs)
+    context = max(int(p.context), 1)
+    tt = target_step(spec, hardware, batch, context).seconds
+    budget_for_ratio = p.draft_budget or (config.draft_budget if config.draft_budget != AUTO else DEFAULT_BUDGET)
+    draft_ratio = draft_step(spec, hardware, batch, context, budget_for_ratio).seconds / tt
+    verify_ratio = {g: verify_step(spec, hardware, batch, context, g).seconds / tt
+                    for g in range(1, config.max_gamma + 1)}
+    if config.planner_may_decline and (not p.speculate or p.draft is None):
+        log.info("hf_magicdec planner (%s): plain decoding for batch %d x %d tokens: %s", where, batch, prompt_len,
+                 p.reason)
+        return Resolution(None, p, draft_ratio, verify_ratio)
+    if p.draft is None:  # prompt shorter than every budget considered: the view keeps it whole
+        chosen = {"draft": DEFAULT_DRAFT if config.draft == AUTO else config.draft,
+                  "draft_budget": DEFAULT_BUDGET if config.draft_budget == AUTO else config.draft_budget,
+                  "gamma": DEFAULT_GAMMA if config.gamma == AUTO else config.gamma}
+    else:
+        chosen = {"draft": p.draft, "draft_budget": p.draft_budget,
+                  "gamma": p.gamma if config.gamma == AUTO else config.gamma}
+    changes = {k: v for k, v in chosen.items() if getattr(config, k) == AUTO}
+    resolved = config.replace(**changes, adaptive_gamma=config.adaptive)  # "auto" γ keeps adapting
+    log.info("hf_magicdec planner (%s): %s budget %s gamma %s, predicted %.2fx", where, resolved.draft,
+             resolved.draft_budget, resolved.gamma, p.predicted_speedup)
+    return Resolution(resolved, p, draft_ratio, verify_ratio)
+
+
+class GammaController:
+    """Adaptive γ: before each step, the γ in ``[1, max_gamma]`` maximising the predicted speedup
+    Ω(γ, α̂) / (γ·T_D/T_T + T_V(γ)/T_T), where α̂ blends the prior α with the acceptance observed
+    so far in this generation (all rows pooled, so every row and rank takes the same γ).
+
+    Parameters
+    ----------
+    gamma : int
+        Starting γ (the plan's).
+    max_gamma : int
+        Largest γ allowed (the draft view's rolling window must hold γ + 1 tokens).
+    alpha : float
+        Prior α (the plan's).
+    draft_ratio : float
+        T_D / T_T.
+    verify_ratio : dict[int, float]
+        T_V(γ) / T_T for γ in ``1..max_gamma``.
+    """
+
+    def __init__(self, gamma: int, max_gamma: int, alpha: float, draft_ratio: float, verify_ratio: dict[int, float]):
+        self.gamma = min(gamma, max_gamma)
+        self.max_gamma = max_gamma
+        self.prior = alpha
+        self.draft_ratio = draft_ratio
+        self.verify_ratio = verify_ratio
+        self.accepted = 0
+        self.drafted = 0
+
+    @property
+    def alpha(self) -> float:
+        return (self.accepted + _PRIOR_WEIGHT * self.prior) / (self.drafted + _PRIOR_WEIGHT)
+
+    def update(self, accepted: int, drafted: int) -> int:
+        """Add one step's pooled counts; returns the γ for the next step."""
+        from .costmodel import omega
+
+        self.accepted += accepted
+        self.drafted += drafted
+        alpha = min(self.alpha, 0.999)
+
+        def value(g: int) -> float:
+            return omega(g, alpha) / (g * self.draft_ratio + self.verify_ratio[g])
+
+        self.gamma = max(range(1, self.max_gamma + 1), key=value)
+        return self.gamma

