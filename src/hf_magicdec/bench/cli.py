@@ -11,6 +11,15 @@ from pathlib import Path
 log = logging.getLogger("hf_magicdec")
 
 
+def _int_or_auto(text: str):
+    if text == "auto":
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an int or 'auto', got {text!r}") from None
+
+
 def build_parser(prog: str = "hf-magicdec bench") -> argparse.ArgumentParser:
     from . import __doc__ as doc
 
@@ -23,8 +32,9 @@ def build_parser(prog: str = "hf-magicdec bench") -> argparse.ArgumentParser:
     ap.add_argument("--context", type=int, nargs="+", default=[2048], help="prompt length(s) in tokens")
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--draft", nargs="+", default=["streamingllm", "snapkv"], help="draft view(s)")
-    ap.add_argument("--budget", type=int, nargs="+", default=[256], help="draft budget(s)")
-    ap.add_argument("--gamma", type=int, nargs="+", default=[3], help="draft tokens per step")
+    ap.add_argument("--budget", type=_int_or_auto, nargs="+", default=[256], help="draft budget(s), or auto")
+    ap.add_argument("--gamma", type=_int_or_auto, nargs="+", default=[3],
+                    help="draft tokens per step, or auto (planner's choice, adapted per step)")
     ap.add_argument("--text", default="auto", help="auto | shakespeare | pg19 | files:<glob> (see hf_magicdec.data)")
     ap.add_argument("--repeats", type=int, default=1, help="timed runs per method (median reported)")
     ap.add_argument("--no-warmup", action="store_true", help="skip the short discarded warm-up run per method")

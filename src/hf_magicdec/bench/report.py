@@ -40,7 +40,7 @@ def breakdown_table(results: list[Result]) -> str:
     if not rows:
         return ""
     head = (f"{'B':>3} {'ctx':>6}  {'method':<32}{'steps':>6}{'draft ms':>10}{'verify ms':>10}{'other ms':>10}"
-            f"{'mean acc':>9}  {'histogram (accepted 0..γ)':<28}{'predicted':>10}{'measured':>9}")
+            f"{'mean acc':>9}  {'histogram (accepted 0..γ)':<28}{'predicted':>10}{'vs AR':>8}")
     lines = ["per verification step:", head, "-" * len(head)]
     for r in rows:
         b, d = r.breakdown(), r.to_dict()
@@ -48,8 +48,10 @@ def breakdown_table(results: list[Result]) -> str:
             f"{r.batch:>3} {r.context:>6}  {r.label:<32}{b['steps']:>6}{b['draft_ms_per_step']:>10.1f}"
             f"{b['verify_ms_per_step']:>10.1f}{b['other_ms_per_step']:>10.1f}{_fmt(d.get('mean_accepted'), '.2f'):>9}  "
             f"{str(d.get('accepted_histogram', '-')):<28}{_fmt(r.predicted_speedup, '.2f', 'x'):>10}"
-            f"{_fmt(r.speedup_vs_stock, '.2f', 'x'):>9}"
+            f"{_fmt(r.speedup_vs_ar, '.2f', 'x'):>8}"
         )
+    lines.append("predicted: the cost model's speedup over own AR with the run's measured acceptance "
+                 "(calibrated when `hf-magicdec plan --calibrate` ran on this device)")
     return "\n".join(lines)
 
 
@@ -129,12 +131,12 @@ def plots(results: list[Result], out: Path, title: str) -> list[Path]:
         fig.savefig(written[-1], dpi=120)
         plt.close(fig)
 
-    mag = [r for r in results if r.method == "magicdec"]
-    if len({r.config.draft_budget for r in mag}) >= 2:
+    mag = [r for r in results if r.method == "magicdec" and r.m.speculation is not None and r.m.speculation.steps]
+    if len({r.m.speculation.draft_budget for r in mag}) >= 2:
         series = defaultdict(list)
-        for r in mag:
-            series[(r.config.draft, r.context, r.config.gamma)].append(
-                (r.config.draft_budget, r.m.speculation.acceptance_rate))
+        for r in mag:  # resolved values: "auto" rows land where the planner put them
+            s = r.m.speculation
+            series[(s.draft, r.context, str(r.config.gamma))].append((s.draft_budget, s.acceptance_rate))
         fig, ax = plt.subplots(figsize=(6.4, 4))
         for (draft, ctx, g), pts in sorted(series.items()):
             pts = sorted(dict(pts).items())

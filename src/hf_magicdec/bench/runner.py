@@ -16,7 +16,7 @@ from typing import Any, Callable
 
 import torch
 
-from ..config import DEFAULT_BUDGET, DEFAULT_DRAFT, MagicDecConfig
+from ..config import AUTO, DEFAULT_BUDGET, DEFAULT_DRAFT, MagicDecConfig
 from .harness import Measurement, environment, measure
 
 log = logging.getLogger("hf_magicdec")
@@ -35,8 +35,8 @@ class BenchSpec:
     contexts: tuple[int, ...] = (2048,)
     new_tokens: int = 64
     drafts: tuple[str, ...] = ("streamingllm", "snapkv")
-    budgets: tuple[int, ...] = (256,)
-    gammas: tuple[int, ...] = (3,)
+    budgets: tuple[int | str, ...] = (256,)  # "auto": the planner picks
+    gammas: tuple[int | str, ...] = (3,)  # "auto": the planner picks, then adapts per step
     text: str = "auto"
     repeats: int = 1
     warmup: bool = True
@@ -50,8 +50,9 @@ class BenchSpec:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype=!r}")
         for name in ("batches", "contexts", "budgets"):
             values = getattr(self, name)
-            if not values or any(not isinstance(v, int) or v < 1 for v in values):
-                raise ValueError(f"{name} must be positive ints, got {values!r}")
+            allowed = (AUTO,) if name == "budgets" else ()
+            if not values or any(v not in allowed and (not isinstance(v, int) or v < 1) for v in values):
+                raise ValueError(f"{name} must be positive ints{' or auto' if allowed else ''}, got {values!r}")
         if self.new_tokens < 2:
             raise ValueError(f"new_tokens must be >= 2 (decode starts after the first token), got {self.new_tokens=}")
         if self.prefill_chunk is not None and self.prefill_chunk < 1:
@@ -68,7 +69,7 @@ class BenchSpec:
         out = []
         for draft in self.drafts:
             for budget in self.budgets:
-                if draft != "full" and budget >= context:
+                if draft != "full" and budget != AUTO and budget >= context:
                     log.warning("skipping %s budget %d at context %d: the view would hold the whole prompt",
                                 draft, budget, context)
                     continue
@@ -167,13 +168,16 @@ class Result:
             "est_gb_per_s": self.gb_per_s,
             "config": None if self.config is None else self.config.to_dict(),
         }
-        if s is not None and self.config is not None and self.config.gamma > 0:
+        if s is not None and self.config is not None and self.config.gamma != 0 and s.steps:
             lengths = [n for r in s.accepted_lengths for n in r]
             row.update(
                 acceptance_rate=s.acceptance_rate,
                 mean_accepted=sum(lengths) / len(lengths) if lengths else 0.0,
                 accepted_histogram=s.histogram(),
                 tokens_per_step=s.tokens_per_step,
+                mean_gamma=s.mean_gamma,
+                resolved={"draft": s.draft, "draft_budget": s.draft_budget, "adaptive_gamma": s.adaptive_gamma},
+                plan=s.plan,
                 breakdown=self.breakdown(),
             )
         row.update(self.extra)
@@ -188,14 +192,38 @@ def _bytes_read(info: ModelInfo, result: Result) -> float:
         kv_tokens = b * sum(p + t for t in range(1, n))
         return steps * info.weight_bytes + kv_tokens * info.kv_bytes_per_token
     s, cfg = result.m.speculation, result.config
+    if s is None or not s.steps:  # the planner chose plain decoding
+        kv_tokens = b * sum(p + t for t in range(1, n))
+        return steps * info.weight_bytes + kv_tokens * info.kv_bytes_per_token
     row_steps = sum(len(r) for r in s.accepted_lengths) - b  # the first token is prefill's, not a step
     row_steps = max(row_steps, s.steps)
     mean_ctx = p + n / 2
-    view = min(cfg.draft_budget, p) if cfg.draft != "full" else mean_ctx
-    g = cfg.gamma
+    view = min(s.draft_budget, p) if s.draft != "full" else mean_ctx
+    g = s.mean_gamma
     verify = s.steps * info.weight_bytes + row_steps * mean_ctx * info.kv_bytes_per_token
     draft = s.steps * g * info.weight_bytes + row_steps * g * (view + (g + 1) / 2) * info.kv_bytes_per_token
     return verify + draft
+
+
+def _predict(model, result: Result) -> None:
+    """The cost model's speedup over plain decoding on the same engine (own AR) for this run,
+    with the acceptance the run measured: next to the measurement, the gap shows what the model
+    misses. Uses the cached calibration of this model on this device when there is one."""
+    from .. import auto
+    from ..costmodel import estimate
+    from ..costmodel.modelspec import ModelSpec
+
+    s = result.m.speculation
+    if s is None or not s.steps or s.draft == "full":
+        return
+    hardware, where = auto._hardware_for(model, result.config)
+    spec = ModelSpec.from_config(model.config, dtype=model.dtype)
+    gamma = max(1, round(s.mean_gamma))
+    e = estimate(spec, hardware, batch=result.batch, context=int(result.context + result.new_tokens / 2),
+                 draft=s.draft, budget=s.draft_budget, gamma=gamma, acceptance=min(s.acceptance_rate, 0.999))
+    result.predicted_speedup = e.speedup
+    result.extra["prediction"] = {"hardware": where, "gamma": gamma, "acceptance": s.acceptance_rate,
+                                  "T_T_s": e.t_target, "T_D_s": e.t_draft, "T_V_s": e.t_verify}
 
 
 def _resolve_device(name: str) -> torch.device:
@@ -267,6 +295,8 @@ def run(spec: BenchSpec, progress: bool = True, on_result: Callable[[Result], No
                 log.error("%s output differs from stock generate at B=%d S=%d", label, res.batch, res.context)
         if method != "assisted":  # the draft model's reads are not in this estimate
             res.bytes_read = _bytes_read(info, res)
+        if method == "magicdec":
+            _predict(model, res)
         # Baselines of the same point ran first: speedups are known now, so the row can be
         # written at once and an interrupted run keeps everything it measured.
         same = [r for r in results if (r.batch, r.context) == (res.batch, res.context)]
@@ -298,7 +328,7 @@ def run(spec: BenchSpec, progress: bool = True, on_result: Callable[[Result], No
                     lambda clock, x, n, c=cfg: generate(x, n, clock, speculative=c, return_dict_in_generate=True),
                     cfg, base)
             for cfg in configs[context]:
-                label = f"magicdec {cfg.draft}/{cfg.draft_budget} γ={cfg.gamma}"
+                label = f"magicdec {cfg.draft}/{cfg.draft_budget} γ={cfg.gamma}".replace("auto/auto", "auto")
                 one("magicdec", label, ids,
                     lambda clock, x, n, c=cfg: generate(x, n, clock, speculative=c, return_dict_in_generate=True),
                     cfg, base)
