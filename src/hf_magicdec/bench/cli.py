@@ -39,6 +39,8 @@ def build_parser(prog: str = "hf-magicdec bench") -> argparse.ArgumentParser:
     ap.add_argument("--repeats", type=int, default=1, help="timed runs per method (median reported)")
     ap.add_argument("--no-warmup", action="store_true", help="skip the short discarded warm-up run per method")
     ap.add_argument("--no-own-ar", action="store_true", help="skip our own autoregressive path (gamma=0)")
+    ap.add_argument("--static-baseline", action="store_true",
+                    help="also time stock generate with cache_implementation='static' (a second stock baseline)")
     ap.add_argument("--stop-at-eos", action="store_true",
                     help="let rows stop at EOS (default: every row decodes exactly --new-tokens, as the reference)")
     ap.add_argument("--assistant", default=None,
@@ -68,7 +70,8 @@ def main(argv: list[str] | None = None, prog: str = "hf-magicdec bench") -> int:
             model=args.model, dtype=args.dtype, device=args.device, batches=tuple(args.batch),
             contexts=tuple(args.context), new_tokens=args.new_tokens, drafts=tuple(args.draft),
             budgets=tuple(args.budget), gammas=tuple(args.gamma), text=args.text, repeats=args.repeats,
-            warmup=not args.no_warmup, own_ar=not args.no_own_ar, stop_at_eos=args.stop_at_eos,
+            warmup=not args.no_warmup, own_ar=not args.no_own_ar, static_baseline=args.static_baseline,
+            stop_at_eos=args.stop_at_eos,
             assistant=args.assistant, prefill_chunk=args.prefill_chunk,
         )
     except ValueError as exc:

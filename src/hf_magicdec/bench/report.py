@@ -84,18 +84,19 @@ def plots(results: list[Result], out: Path, title: str) -> list[Path]:
     if plt is None or not results:
         return []
     written = []
-    points = sorted({(r.batch, r.context) for r in results if r.method in ("stock", "own-ar", "magicdec")})
+    shown = ("stock", "stock-static", "own-ar", "magicdec")
+    points = sorted({(r.batch, r.context) for r in results if r.method in shown})
     # 1. throughput bars per point
     fig, axes = plt.subplots(len(points), 1, figsize=(8, 0.5 + 0.42 * max(len(results) // max(len(points), 1), 2)
                                                         * len(points)), squeeze=False)
     for ax, (b, c) in zip(axes[:, 0], points):
-        rows = [r for r in results if (r.batch, r.context) == (b, c) and r.method in ("stock", "own-ar", "magicdec")]
+        rows = [r for r in results if (r.batch, r.context) == (b, c) and r.method in shown]
         values = [r.decode_tok_per_s for r in rows]
-        colors = ["#888" if r.method == "stock" else "#58a" if r.method == "own-ar" else "#2a7" for r in rows]
+        colors = ["#888" if r.method.startswith("stock") else "#58a" if r.method == "own-ar" else "#2a7" for r in rows]
         bars = ax.barh([r.label for r in rows], values, color=colors)
         for bar, r in zip(bars, rows):
             note = f"  {r.decode_tok_per_s:.1f} tok/s"
-            if r.method != "stock":
+            if r.method != "stock" and r.speedup_vs_stock is not None:
                 note += f"  {r.speedup_vs_stock:.2f}x" + ("" if r.identical else "  NOT IDENTICAL")
             ax.text(bar.get_width(), bar.get_y() + bar.get_height() / 2, note, va="center", fontsize=7)
         ax.invert_yaxis()

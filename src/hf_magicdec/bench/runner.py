@@ -41,6 +41,7 @@ class BenchSpec:
     repeats: int = 1
     warmup: bool = True
     own_ar: bool = True
+    static_baseline: bool = False  # also stock generate with cache_implementation="static"
     stop_at_eos: bool = False
     assistant: str | None = None
     prefill_chunk: int | None = None  # passed to every method as generation_config.prefill_chunk_size
@@ -99,7 +100,7 @@ class ModelInfo:
 class Result:
     """One row of the benchmark output (see :func:`Result.to_dict` for the JSONL schema)."""
 
-    method: str  # "stock", "own-ar", "magicdec", "stock-b1", "assisted"
+    method: str  # "stock", "stock-static", "own-ar", "magicdec", "stock-b1", "assisted"
     label: str
     batch: int
     context: int
@@ -267,7 +268,7 @@ def run(spec: BenchSpec, progress: bool = True, on_result: Callable[[Result], No
 
     points = [(b, c) for c in spec.contexts for b in spec.batches]
     configs = {c: spec.configs(c) for c in spec.contexts}
-    n_runs = sum(1 + int(spec.own_ar) + len(configs[c]) + (2 if assistant else 0) for _, c in points)
+    n_runs = sum(1 + int(spec.own_ar) + int(spec.static_baseline) + len(configs[c]) + (2 if assistant else 0) for _, c in points)
     outer = tqdm(total=n_runs, desc="bench", unit="run", disable=not progress) if tqdm else None
     results: list[Result] = []
     warmed: set[tuple] = set()
@@ -322,6 +323,9 @@ def run(spec: BenchSpec, progress: bool = True, on_result: Callable[[Result], No
             ids = data.prompt_batch(tokenizer, batch, context, source=spec.text).to(device)
             stock = one("stock", "stock generate", ids, lambda clock, x, n: generate(x, n, clock))
             base = stock.m.sequences
+            if spec.static_baseline:
+                one("stock-static", "stock generate, static cache", ids,
+                    lambda clock, x, n: generate(x, n, clock, cache_implementation="static"), None, base)
             if spec.own_ar:
                 cfg = MagicDecConfig(draft=DEFAULT_DRAFT, draft_budget=DEFAULT_BUDGET, gamma=0)
                 one("own-ar", "own AR (gamma=0)", ids,
