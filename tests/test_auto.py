@@ -88,3 +88,13 @@ def test_explicit_hardware_preset_reaches_the_planner(tiny_models):
     model = tiny_models("llama-gqa3")
     res = resolve(MagicDecConfig(hardware="h100", draft_budget=16, sink_tokens=2), model, 2, 64, 16)
     assert res.plan.hardware.startswith("H100") and res.config.is_resolved and res.config.draft_budget == 16
+
+
+def test_top_level_plan_uses_the_models_device_model(tiny_models):
+    import hf_magicdec
+
+    model = tiny_models("llama-gqa3")
+    p = hf_magicdec.plan(model, batch_size=4, prompt_len=2048, new_tokens=64)
+    assert p.hardware.startswith("cpu") and p.batch_size == 4
+    q = hf_magicdec.plan(model.config, batch_size=4, prompt_len=2048, new_tokens=64, budgets=(256,))
+    assert q.hardware.startswith("H100") and all(e.draft_budget == 256 for e in q.runner_ups)

@@ -122,3 +122,17 @@ def test_unknown_ruler_task_is_refused_before_loading(monkeypatch, capsys):
     with pytest.raises(SystemExit):
         bench_main(["--ruler", "niah_single", "needle"])
     assert "needle" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_assisted_reference_runs_at_batch_one(tmp_path):
+    """--assistant adds stock (batch 1) and HF assisted generation rows; the model drafts for itself
+    here (same tokenizer, no second download), so the assisted output must equal stock's."""
+    out = tmp_path / "assisted"
+    code = bench_main(["--batch", "2", "--context", "128", "--new-tokens", "6", "--draft", "snapkv", "--budget", "64",
+                       "--gamma", "2", "--no-own-ar", "--assistant", "smollm2-135m", "--out", str(out), "--quiet"])
+    assert code == 0
+    rows = {r["method"]: r for r in map(json.loads, (out / "results.jsonl").read_text().splitlines())}
+    assert set(rows) == {"stock", "magicdec", "stock-b1", "assisted"}
+    assert rows["assisted"]["batch"] == 1 and rows["assisted"]["identical_to_generate"] is True
+    assert rows["assisted"]["speedup_vs_stock"] > 0 and rows["assisted"]["est_gb_per_s"] is None

@@ -8,6 +8,7 @@ Importing the package installs a reversible routing of ``generate``'s ``speculat
 ``model.generate(..., custom_generate=hf_magicdec.generate)`` instead.
 """
 
+from .auto import plan
 from .cache import MagicDecCache
 from .config import MagicDecConfig
 from .generation import generate
@@ -28,6 +29,7 @@ __all__ = [
     "enable",
     "generate",
     "is_enabled",
+    "plan",
     "register_view",
     "set_default_speculation",
 ]

@@ -185,3 +185,41 @@ class GammaController:
 
         self.gamma = max(range(1, self.max_gamma + 1), key=value)
         return self.gamma
+
+
+def plan(model_or_config, *, batch_size: int, prompt_len: int, new_tokens: int, hardware=None, **kwargs):
+    """The planner's choice for a workload: :func:`hf_magicdec.costmodel.plan` with the device model
+    ``generate`` would use.
+
+    Parameters
+    ----------
+    model_or_config : PreTrainedModel, PretrainedConfig, dict or ModelSpec
+        Only shapes and dtype are read.
+    batch_size, prompt_len, new_tokens : int
+        The workload.
+    hardware : str, HardwareSpec or None
+        None: for a model, its cached calibration on its device, else the preset matching its
+        device (as ``generate`` does); for a config, the ``h100`` preset.
+    **kwargs
+        Passed to :func:`hf_magicdec.costmodel.plan` (``acceptance``, ``drafts``, ``budgets``,
+        ``gammas``, ``tp``, ``dtype``, ``min_speedup``).
+
+    Returns
+    -------
+    hf_magicdec.costmodel.Plan
+        ``plan.speculate``, ``plan.to_config()``, ``plan.summary()``, runner-ups.
+
+    Examples
+    --------
+    >>> p = hf_magicdec.plan(model, batch_size=8, prompt_len=4096, new_tokens=128)
+    >>> out = model.generate(**inputs, speculative=p.to_config()) if p.speculate else model.generate(**inputs)
+    """
+    from .costmodel import plan as costmodel_plan
+
+    if hardware is None:
+        if hasattr(model_or_config, "parameters") and hasattr(model_or_config, "config"):
+            hardware, _ = _hardware_for(model_or_config, MagicDecConfig())
+        else:
+            hardware = "h100"
+    return costmodel_plan(model_or_config, batch_size=batch_size, prompt_len=prompt_len, new_tokens=new_tokens,
+                          hardware=hardware, **kwargs)

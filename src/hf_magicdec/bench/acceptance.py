@@ -139,29 +139,13 @@ def write(rows: list[dict], out: Path, args) -> None:
     table = markdown(rows)
     (out / "acceptance.md").write_text(f"{title}\n\nacceptance rate (tokens per step)\n\n{table}\n")
     print(f"\n{title}\nacceptance rate (tokens per step)\n\n{table}\n")
-    try:
-        import matplotlib
+    from .report import acceptance_plot
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return
-    fig, ax = plt.subplots(figsize=(6.4, 4))
     series = defaultdict(list)
     for r in rows:
-        series[(r["draft"], r["context"])].append((r["budget"], r["acceptance_rate"]))
-    for (draft, ctx), pts in sorted(series.items()):
-        pts.sort()
-        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", ls="-" if draft == "snapkv" else "--",
-                label=f"{draft}, context {ctx}")
-    ax.set_xscale("log", base=2)
-    ax.set_xlabel("draft budget (tokens per layer, row and KV head)")
-    ax.set_ylabel("acceptance rate α")
-    ax.set_title(title, fontsize=7)
-    ax.legend(fontsize=6)
-    fig.tight_layout()
-    fig.savefig(out / "acceptance_vs_budget.png", dpi=120)
-    plt.close(fig)
+        series[(r["draft"], r["context"], "")].append((r["budget"], r["acceptance_rate"]))
+    if not acceptance_plot(series, out / "acceptance_vs_budget.png", title):
+        return
     print(f"rows: {out / 'acceptance.jsonl'}\nplot: {out / 'acceptance_vs_budget.png'}")
 
 

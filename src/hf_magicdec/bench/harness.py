@@ -8,6 +8,8 @@ first token until ``generate`` returns.
 
 from __future__ import annotations
 
+import ctypes
+import gc
 import os
 import platform
 import statistics
@@ -56,12 +58,21 @@ class Clock(BaseStreamer):
         self.stop = time.perf_counter()
 
 
+def _release_freed_memory() -> None:
+    """Return freed heap memory to the OS (glibc ``malloc_trim``), so RSS deltas mean something."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
 class PeakMemory:
     """Peak memory of the work inside ``with``, in bytes above the level at entry.
 
-    On CUDA it is ``torch.cuda.max_memory_allocated`` (tensors only); on the CPU the process's
-    resident set size sampled every 5 ms from ``/proc/self/statm`` (everything, tensors included;
-    ``None`` where ``/proc`` does not exist).
+    On CUDA it is ``torch.cuda.max_memory_allocated`` (tensors only); on the CPU the growth of the
+    process's resident set size, sampled every 5 ms from ``/proc/self/statm`` after freed heap
+    memory was handed back to the OS (everything, tensors included; ``None`` where ``/proc`` does
+    not exist).
     """
 
     def __init__(self, device: torch.device):
@@ -84,6 +95,8 @@ class PeakMemory:
         self.peak = max(peak, self._rss() or base) - base
 
     def __enter__(self):
+        gc.collect()
+        _release_freed_memory()  # else the allocator's free lists hide this run's growth
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
             self._base = torch.cuda.memory_allocated(self.device)

@@ -110,7 +110,7 @@ def plots(results: list[Result], out: Path, title: str) -> list[Path]:
     fig.savefig(written[-1], dpi=120)
     plt.close(fig)
 
-    spec_rows = [r for r in results if r.method in ("own-ar", "magicdec")]
+    spec_rows = [r for r in results if r.method in ("stock-static", "own-ar", "magicdec")]
     for axis, other, name in (("batch", "context", "speedup_vs_batch"), ("context", "batch", "speedup_vs_context")):
         if len({getattr(r, axis) for r in spec_rows}) < 2:
             continue
@@ -123,6 +123,8 @@ def plots(results: list[Result], out: Path, title: str) -> list[Path]:
             ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=f"{label}, {other} {fixed}")
         ax.axhline(1.0, color="#888", lw=0.8, ls="--")
         ax.set_xscale("log", base=2)
+        ticks = sorted({getattr(r, axis) for r in spec_rows})
+        ax.set_xticks(ticks, [str(t) for t in ticks])
         ax.set_xlabel(axis)
         ax.set_ylabel("decode speedup vs stock generate")
         ax.set_title(title, fontsize=8)
@@ -138,18 +140,30 @@ def plots(results: list[Result], out: Path, title: str) -> list[Path]:
         for r in mag:  # resolved values: "auto" rows land where the planner put them
             s = r.m.speculation
             series[(s.draft, r.context, str(r.config.gamma))].append((s.draft_budget, s.acceptance_rate))
-        fig, ax = plt.subplots(figsize=(6.4, 4))
-        for (draft, ctx, g), pts in sorted(series.items()):
-            pts = sorted(dict(pts).items())
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o",
-                    ls="-" if draft == "snapkv" else "--", label=f"{draft}, context {ctx}, γ={g}")
-        ax.set_xscale("log", base=2)
-        ax.set_xlabel("draft budget (tokens per layer, row and KV head)")
-        ax.set_ylabel("acceptance rate α")
-        ax.set_title(title, fontsize=8)
-        ax.legend(fontsize=6)
-        fig.tight_layout()
         written.append(out / "acceptance_vs_budget.png")
-        fig.savefig(written[-1], dpi=120)
-        plt.close(fig)
+        acceptance_plot({(d, c, f"γ={g}"): pts for (d, c, g), pts in series.items()}, written[-1], title)
     return written
+
+
+def acceptance_plot(series: dict, path: Path, title: str) -> bool:
+    """Acceptance vs budget, one line per ``(draft, context, note)`` key of ``series``, whose values
+    are ``(budget, acceptance)`` points. Returns False without matplotlib."""
+    plt = _pyplot()
+    if plt is None:
+        return False
+    fig, ax = plt.subplots(figsize=(6.4, 4))
+    for (draft, ctx, note), pts in sorted(series.items()):
+        pts = sorted(dict(pts).items())
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", ls="-" if draft == "snapkv" else "--",
+                label=f"{draft}, context {ctx}" + (f", {note}" if note else ""))
+    ax.set_xscale("log", base=2)
+    budgets = sorted({p[0] for pts in series.values() for p in pts})
+    ax.set_xticks(budgets, [str(b) for b in budgets])
+    ax.set_xlabel("draft budget (tokens per layer, row and KV head)")
+    ax.set_ylabel("acceptance rate α")
+    ax.set_title(title, fontsize=7)
+    ax.legend(fontsize=6)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True
