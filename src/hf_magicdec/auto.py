@@ -50,8 +50,8 @@ def observed_acceptance(model, draft: str, budget: int) -> float | None:
     return a / d if d else None
 
 
-def _hardware_for(model, config: MagicDecConfig):
-    """``(HardwareSpec, description)`` the planner uses for this model."""
+def hardware_for(model, config: MagicDecConfig):
+    """``(HardwareSpec, description)`` the planner uses for this model (see the module docstring)."""
     from .costmodel import get_hardware
     from .costmodel.modelspec import ModelSpec
 
@@ -97,7 +97,7 @@ def resolve(config: MagicDecConfig, model, batch: int, prompt_len: int, new_toke
     from .costmodel.modelspec import ModelSpec
 
     spec = ModelSpec.from_config(model.config, dtype=model.dtype)
-    hardware, where = _hardware_for(model, config)
+    hardware, where = hardware_for(model, config)
 
     def prior_or_observed(draft, budget, context):
         from .costmodel import default_acceptance
@@ -218,7 +218,7 @@ def plan(model_or_config, *, batch_size: int, prompt_len: int, new_tokens: int, 
 
     if hardware is None:
         if hasattr(model_or_config, "parameters") and hasattr(model_or_config, "config"):
-            hardware, _ = _hardware_for(model_or_config, MagicDecConfig())
+            hardware, _ = hardware_for(model_or_config, MagicDecConfig())
         else:
             hardware = "h100"
     return costmodel_plan(model_or_config, batch_size=batch_size, prompt_len=prompt_len, new_tokens=new_tokens,

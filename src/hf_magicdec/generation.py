@@ -160,7 +160,9 @@ def _magicdec_attention(model):
             cfg._attn_implementation = value
 
 
-_SHARED_PREFILL: contextvars.ContextVar[list | None] = contextvars.ContextVar("hf_magicdec_shared_prefill", default=None)
+_SHARED_PREFILL: contextvars.ContextVar[list | None] = contextvars.ContextVar(
+    "hf_magicdec_shared_prefill", default=None
+)
 
 
 @contextlib.contextmanager

@@ -49,7 +49,8 @@ def run_ruler(spec, tasks: list[str], num_samples: int, seed: int = 0, progress:
                     if cfg is not None and cfg.draft != "full" and cfg.draft_budget >= prompt:
                         bar.update(1)
                         continue
-                    label = "stock generate" if cfg is None else f"magicdec {cfg.draft}/{cfg.draft_budget} γ={cfg.gamma}"
+                    label = ("stock generate" if cfg is None
+                             else f"magicdec {cfg.draft}/{cfg.draft_budget} γ={cfg.gamma}")
                     bar.set_postfix_str(f"{task} S={context} {label}")
                     extra = {} if cfg is None else {"speculative": cfg, "return_dict_in_generate": True}
                     m = measure(lambda clock: model.generate(**enc, max_new_tokens=new_tokens, do_sample=False,

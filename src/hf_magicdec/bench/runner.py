@@ -217,7 +217,7 @@ def _predict(model, result: Result) -> None:
     s = result.m.speculation
     if s is None or not s.steps or s.draft == "full":
         return
-    hardware, where = auto._hardware_for(model, result.config)
+    hardware, where = auto.hardware_for(model, result.config)
     spec = ModelSpec.from_config(model.config, dtype=model.dtype)
     gamma = max(1, round(s.mean_gamma))
     e = estimate(spec, hardware, batch=result.batch, context=int(result.context + result.new_tokens / 2),
@@ -268,7 +268,8 @@ def run(spec: BenchSpec, progress: bool = True, on_result: Callable[[Result], No
 
     points = [(b, c) for c in spec.contexts for b in spec.batches]
     configs = {c: spec.configs(c) for c in spec.contexts}
-    n_runs = sum(1 + int(spec.own_ar) + int(spec.static_baseline) + len(configs[c]) + (2 if assistant else 0) for _, c in points)
+    per_point = 1 + int(spec.own_ar) + int(spec.static_baseline) + (2 if assistant else 0)
+    n_runs = sum(per_point + len(configs[c]) for _, c in points)
     outer = tqdm(total=n_runs, desc="bench", unit="run", disable=not progress) if tqdm else None
     results: list[Result] = []
     warmed: set[tuple] = set()
@@ -297,7 +298,10 @@ def run(spec: BenchSpec, progress: bool = True, on_result: Callable[[Result], No
         if method != "assisted":  # the draft model's reads are not in this estimate
             res.bytes_read = _bytes_read(info, res)
         if method == "magicdec":
-            _predict(model, res)
+            try:
+                _predict(model, res)
+            except Exception as exc:  # a prediction must never cost a measurement
+                log.warning("no cost-model prediction for %s: %s", label, exc)
         # Baselines of the same point ran first: speedups are known now, so the row can be
         # written at once and an interrupted run keeps everything it measured.
         same = [r for r in results if (r.batch, r.context) == (res.batch, res.context)]
