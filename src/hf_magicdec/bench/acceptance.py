@@ -78,6 +78,11 @@ def sweep(args, grid) -> list[dict]:
     model, tokenizer = models.load(args.model, dtype=DTYPES[args.dtype],
                                    device_map=None if device.type == "cpu" else str(device))
     env = environment(device)
+    from ..views import get_view
+
+    # Views that record prefill queries (SnapKV) first: their prefill then serves every view, while
+    # a StreamingLLM-first order would make SnapKV prefill again.
+    grid = sorted(grid, key=lambda cfg: -get_view(cfg.draft).observation_window(cfg))
     runs = [(c, cfg) for c in args.contexts for cfg in grid if cfg.draft == "full" or cfg.draft_budget < c]
     bar = tqdm(total=len(runs) + len(args.contexts), desc="acceptance", unit="run")
     rows = []
