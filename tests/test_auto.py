@@ -98,3 +98,15 @@ def test_top_level_plan_uses_the_models_device_model(tiny_models):
     assert p.hardware.startswith("cpu") and p.batch_size == 4
     q = hf_magicdec.plan(model.config, batch_size=4, prompt_len=2048, new_tokens=64, budgets=(256,))
     assert q.hardware.startswith("H100") and all(e.draft_budget == 256 for e in q.runner_ups)
+
+
+def test_adaptive_start_above_max_gamma_is_clamped(tiny_models):
+    model = tiny_models("llama-gqa3")
+    ids, mask = ragged_prompts(batch=2, length=40, seed=4)
+    kwargs = dict(input_ids=ids, attention_mask=mask, max_new_tokens=20, do_sample=False, eos_token_id=None)
+    reference = model.generate(**kwargs)
+    cfg = MagicDecConfig(draft="streamingllm", draft_budget=24, sink_tokens=2, gamma=6, adaptive_gamma=True,
+                         max_gamma=3)
+    out = model.generate(**kwargs, speculative=cfg, return_dict_in_generate=True)
+    assert torch.equal(out.sequences, reference)
+    assert max(out.speculation.gamma_trace) <= 3

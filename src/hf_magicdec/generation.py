@@ -275,9 +275,10 @@ class _Engine:
         gamma, controller = config.gamma, None
         scratch = gamma  # draft slots per step the cache holds
         if config.adaptive:
-            # gamma + 1 committed tokens must fit in the rolling window without overwriting it.
+            # gamma + 1 committed tokens must fit in the rolling window without overwriting it;
+            # the controller never goes above max_gamma (a larger starting gamma is clamped).
             window = self.view.window_slots(config, prompt, max_new)
-            scratch = max(1, min(max(config.max_gamma, gamma), window - 1))
+            scratch = max(1, min(config.max_gamma, window - 1))
             res = self.resolution
             prior = res.plan.acceptance if res.plan is not None and res.plan.acceptance else 0.8
             controller = auto.GammaController(gamma, scratch, prior, res.draft_ratio, res.verify_ratio)
