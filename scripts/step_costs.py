@@ -2,10 +2,11 @@
 
     python scripts/step_costs.py --batch 8 --context 2048 --gamma 4 --budget 256
 
-Times, on the same prefilled MagicDecCache (rolled back after every forward, so the context
-never changes): a 1-token step on the full cache (T_T), a (gamma+1)-token verification (T_V),
-and a draft step on the draft view (T_D), next to stock HF's own 1-token and (gamma+1)-token
-steps (DynamicCache + sdpa). Medians over --repeats after one warm-up.
+Times, on the same really prefilled MagicDecCache (rolled back after every forward, untimed, so
+the context never changes): a 1-token step on the full cache (T_T), a (gamma+1)-token
+verification (T_V) and a draft step on the draft view (T_D), with the cost model's own
+``measure_steps``; next to stock HF's own 1-token and (gamma+1)-token steps (DynamicCache +
+sdpa, crop included). Medians over --repeats after one warm-up.
 """
 
 from __future__ import annotations
@@ -22,8 +23,8 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 import torch
 from transformers import DynamicCache
 
-from hf_magicdec import MagicDecConfig, data, models
-from hf_magicdec.generation import _Engine, _magicdec_attention
+from hf_magicdec import data, models
+from hf_magicdec.costmodel.calibrate import measure_steps
 
 
 def median_time(fn, repeats):
@@ -52,36 +53,16 @@ def main():
     model, tokenizer = models.load(args.model)
     ids = data.prompt_batch(tokenizer, args.batch, args.context)
     q = args.gamma + 1
-    config = MagicDecConfig(draft=args.draft, draft_budget=args.budget, gamma=args.gamma)
     result = {"model": args.model, "batch": args.batch, "context": args.context, "gamma": args.gamma,
               "draft": args.draft, "budget": args.budget, "threads": torch.get_num_threads()}
+    # --- ours: the engine's own forwards on one real prefilled cache (the cost model's calibration code).
+    steps = measure_steps(model, args.batch, args.context, gammas=(args.gamma,), budgets=(args.budget,),
+                          draft=args.draft, repeats=args.repeats, input_ids=ids)
+    result.update(prefill_s=steps.prefill_seconds, T_T_s=steps.t_target, T_V_s=steps.t_verify[args.gamma],
+                  T_D_s=steps.t_draft[args.budget])
     with torch.no_grad():
-        # --- ours: prefill once through the engine's own path, then time single forwards.
-        with _magicdec_attention(model):
-            engine = _Engine(model, config, model.generation_config, [], [], None, chunk=1024)
-            pad = torch.zeros(args.batch, dtype=torch.long)
-            positions = torch.arange(args.context)[None].expand(args.batch, -1)
-            t0 = time.perf_counter()
-            engine._prefill(ids, positions, pad, capacity=args.context + 64 + q)
-            engine.cache.build_draft_views(engine.view, config, args.context, 64)
-            result["prefill_s"] = time.perf_counter() - t0
-            cache = engine.cache
-            tokens = ids[:, -q:].clone()
-
-            def verify(n):
-                engine._verify(tokens[:, 0], tokens[:, 1:n])
-                cache.commit(torch.zeros(args.batch, dtype=torch.long))  # roll back: context never changes
-
-            def draft_step():
-                cache.begin_draft(0)
-                valid = cache.draft_valid()
-                mask = torch.cat([valid, torch.ones(args.batch, 1, dtype=torch.bool)], 1)[:, None, None, :]
-                engine._forward(tokens[:, :1], cache.lengths[:, None], mask, logits_to_keep=1)
-
-            result["T_T_s"] = median_time(lambda: verify(1), args.repeats)
-            result["T_V_s"] = median_time(lambda: verify(q), args.repeats)
-            result["T_D_s"] = median_time(draft_step, args.repeats)
         # --- stock HF for reference: DynamicCache + sdpa, 1-token and (gamma+1)-token steps.
+        tokens = ids[:, -q:].clone()
         out = model(input_ids=ids, use_cache=True, past_key_values=DynamicCache(config=model.config), logits_to_keep=1)
         stock_cache = out.past_key_values
 

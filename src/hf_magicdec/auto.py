@@ -50,8 +50,9 @@ def observed_acceptance(model, draft: str, budget: int) -> float | None:
     return a / d if d else None
 
 
-def hardware_for(model, config: MagicDecConfig):
-    """``(HardwareSpec, description)`` the planner uses for this model (see the module docstring)."""
+def hardware_for(model, config: MagicDecConfig, spec=None):
+    """``(HardwareSpec, description)`` the planner uses for this model (see the module docstring);
+    ``spec``: the model's :class:`~hf_magicdec.costmodel.ModelSpec` when the caller has it."""
     from .costmodel import get_hardware
     from .costmodel.modelspec import ModelSpec
 
@@ -61,7 +62,7 @@ def hardware_for(model, config: MagicDecConfig):
     try:
         from .costmodel.calibrate import load_calibration
 
-        spec = ModelSpec.from_config(model.config, dtype=model.dtype)
+        spec = spec if spec is not None else ModelSpec.from_config(model.config, dtype=model.dtype)
         name = getattr(model.config, "_name_or_path", None) or spec.name
         cal = load_calibration(name, spec, device, model.dtype)
         if cal is not None:
@@ -97,7 +98,7 @@ def resolve(config: MagicDecConfig, model, batch: int, prompt_len: int, new_toke
     from .costmodel.modelspec import ModelSpec
 
     spec = ModelSpec.from_config(model.config, dtype=model.dtype)
-    hardware, where = hardware_for(model, config)
+    hardware, where = hardware_for(model, config, spec)
 
     def prior_or_observed(draft, budget, context):
         from .costmodel import default_acceptance
@@ -116,16 +117,10 @@ def resolve(config: MagicDecConfig, model, batch: int, prompt_len: int, new_toke
     else:
         kwargs["gammas"] = tuple(range(1, config.max_gamma + 1))
     p = plan(spec, **kwargs)
-    context = max(int(p.context), 1)
-    tt = target_step(spec, hardware, batch, context).seconds
-    budget_for_ratio = p.draft_budget or (config.draft_budget if config.draft_budget != AUTO else DEFAULT_BUDGET)
-    draft_ratio = draft_step(spec, hardware, batch, context, budget_for_ratio).seconds / tt
-    verify_ratio = {g: verify_step(spec, hardware, batch, context, g).seconds / tt
-                    for g in range(1, config.max_gamma + 1)}
     if config.planner_may_decline and (not p.speculate or p.draft is None):
         log.info("hf_magicdec planner (%s): plain decoding for batch %d x %d tokens: %s", where, batch, prompt_len,
                  p.reason)
-        return Resolution(None, p, draft_ratio, verify_ratio)
+        return Resolution(None, p)
     if p.draft is None:  # prompt shorter than every budget considered: the view keeps it whole
         chosen = {"draft": DEFAULT_DRAFT if config.draft == AUTO else config.draft,
                   "draft_budget": DEFAULT_BUDGET if config.draft_budget == AUTO else config.draft_budget,
@@ -137,6 +132,14 @@ def resolve(config: MagicDecConfig, model, batch: int, prompt_len: int, new_toke
     resolved = config.replace(**changes, adaptive_gamma=config.adaptive)  # "auto" γ keeps adapting
     log.info("hf_magicdec planner (%s): %s budget %s gamma %s, predicted %.2fx", where, resolved.draft,
              resolved.draft_budget, resolved.gamma, p.predicted_speedup)
+    if not resolved.adaptive:
+        return Resolution(resolved, p)
+    # Adaptive γ re-weighs γ each step with the same step-time model: T_D/T_T and T_V(γ)/T_T.
+    context = max(int(p.context), 1)
+    tt = target_step(spec, hardware, batch, context).seconds
+    draft_ratio = draft_step(spec, hardware, batch, context, resolved.draft_budget).seconds / tt
+    verify_ratio = {g: verify_step(spec, hardware, batch, context, g).seconds / tt
+                    for g in range(1, config.max_gamma + 1)}
     return Resolution(resolved, p, draft_ratio, verify_ratio)
 
 

@@ -214,7 +214,7 @@ class MagicDecCache(Cache):
         selected among the tokens before those. So no token is ever in the view twice, a prompt
         shorter than the budget is kept whole, and budget the prompt does not use goes to the
         window.
-        
+
         ``scratch`` is the number of draft slots per step (default ``config.gamma``; the largest
         γ when γ adapts during generation).
         """

@@ -69,14 +69,13 @@ def sweep(args, grid) -> list[dict]:
     import torch
     from tqdm.auto import tqdm
 
-    from .. import data, models
+    from .. import data
     from ..generation import shared_prefill
     from .harness import environment
-    from .runner import DTYPES, _resolve_device
+    from .runner import load_model, resolve_device
 
-    device = _resolve_device(args.device)
-    model, tokenizer = models.load(args.model, dtype=DTYPES[args.dtype],
-                                   device_map=None if device.type == "cpu" else str(device))
+    device = resolve_device(args.device)
+    model, tokenizer = load_model(args.model, args.dtype, device)
     env = environment(device)
     from ..views import get_view
 

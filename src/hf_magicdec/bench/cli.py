@@ -119,23 +119,20 @@ def run_and_report(spec, out: Path, progress: bool = True, title_prefix: str = "
     """Run ``spec``, stream JSONL rows to ``out/results.jsonl``, print the tables, write the plots."""
     import dataclasses
 
+    from .harness import environment
     from .report import breakdown_table, plots, table, write_jsonl
-    from .runner import run
+    from .runner import resolve_device, run
 
     out.mkdir(parents=True, exist_ok=True)
     jsonl = out / "results.jsonl"
     jsonl.unlink(missing_ok=True)
+    env = environment(resolve_device(spec.device))  # collected once, written with every row
     meta = {"model": spec.model, "dtype": spec.dtype, "spec": dataclasses.asdict(spec)}
-    env_box = {}
 
     def on_result(r):
-        write_jsonl(jsonl, [{**meta, **r.to_dict(), "env": env_box.get("env")}])
+        write_jsonl(jsonl, [{**meta, **r.to_dict(), "env": env}])
 
-    # The environment is known only once the model is on its device; rows stream as they finish.
-    from . import harness, runner
-
-    env_box["env"] = harness.environment(runner._resolve_device(spec.device))
-    results, env, _ = run(spec, progress=progress, on_result=on_result)
+    results, env, _ = run(spec, progress=progress, on_result=on_result, env=env)
     title = (f"{title_prefix}{spec.model} {spec.dtype} on {env['device']}, {spec.new_tokens} new tokens, greedy"
              f"{'' if spec.stop_at_eos else ', EOS ignored'}")
     print()

@@ -189,16 +189,9 @@ def _git_revision() -> str | None:
 def device_name(device: torch.device) -> str:
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as fh:
-            for line in fh:
-                if line.startswith("model name"):
-                    cpu = line.split(":", 1)[1].strip()
-                    break
-    except OSError:
-        pass
-    return f"{cpu} ({torch.get_num_threads()} threads)"
+    from ..costmodel.calibrate import cpu_name
+
+    return f"{cpu_name()} ({torch.get_num_threads()} threads)"
 
 
 def environment(device: torch.device) -> dict:

@@ -14,7 +14,7 @@ import logging
 import torch
 
 from .harness import environment, measure
-from .runner import DTYPES, _resolve_device
+from .runner import load_model, resolve_device
 
 log = logging.getLogger("hf_magicdec")
 
@@ -23,12 +23,11 @@ def run_ruler(spec, tasks: list[str], num_samples: int, seed: int = 0, progress:
     """Returns ``(rows, env)``; one row per (task, context, method)."""
     from tqdm.auto import tqdm
 
-    from .. import models, ruler
+    from .. import ruler
     from ..config import MagicDecConfig
 
-    device = _resolve_device(spec.device)
-    model, tokenizer = models.load(spec.model, dtype=DTYPES[spec.dtype],
-                                   device_map=None if device.type == "cpu" else str(device))
+    device = resolve_device(spec.device)
+    model, tokenizer = load_model(spec.model, spec.dtype, device)
     env = environment(device)
     methods = [None] + [MagicDecConfig(draft=d, draft_budget=b, gamma=g)
                         for d in spec.drafts for b in spec.budgets for g in spec.gammas]

@@ -87,13 +87,11 @@ class ModelInfo:
 
     @classmethod
     def of(cls, model) -> "ModelInfo":
-        cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-        elem = next(model.parameters()).element_size()
-        heads = cfg.num_attention_heads
-        kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
-        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
-        weights = sum(p.numel() * p.element_size() for p in model.parameters())
-        return cls(weights, 2 * cfg.num_hidden_layers * kv_heads * head_dim * elem)
+        from ..costmodel.modelspec import ModelSpec
+
+        weights = sum(p.numel() * p.element_size() for p in model.parameters())  # real, not modelled
+        spec = ModelSpec.from_config(model.config, dtype=model.dtype)
+        return cls(weights, spec.kv_bytes_per_token)
 
 
 @dataclass
@@ -227,35 +225,41 @@ def _predict(model, result: Result) -> None:
                                   "T_T_s": e.t_target, "T_D_s": e.t_draft, "T_V_s": e.t_verify}
 
 
-def _resolve_device(name: str) -> torch.device:
+def resolve_device(name: str) -> torch.device:
+    """``"auto"``: the first CUDA device when there is one, else the CPU."""
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     return torch.device(name)
 
 
-def run(spec: BenchSpec, progress: bool = True, on_result: Callable[[Result], None] | None = None):
+def load_model(name: str, dtype: str, device: torch.device):
+    """``(model, tokenizer)`` of ``name`` (offline name, directory or Hub id) on ``device``, in eval mode."""
+    from .. import models
+
+    model, tokenizer = models.load(name, dtype=DTYPES[dtype], device_map=None if device.type == "cpu" else str(device))
+    return model.eval(), tokenizer
+
+
+def run(spec: BenchSpec, progress: bool = True, on_result: Callable[[Result], None] | None = None,
+        env: dict | None = None):
     """Run the grid. Returns ``(results, environment, model_info)``.
 
     ``on_result`` is called after every finished row (e.g. to append it to a JSONL file at once,
-    so an interrupted run keeps what it measured).
+    so an interrupted run keeps what it measured). ``env``: the environment already collected by
+    the caller (default: collected here).
     """
-    from .. import data, models
+    from .. import data
 
     try:
         from tqdm.auto import tqdm
     except ImportError:  # pragma: no cover - tqdm is a dependency
         tqdm = None
-    device = _resolve_device(spec.device)
-    dtype = DTYPES[spec.dtype]
+    device = resolve_device(spec.device)
     log.warning("loading %s (%s) on %s …", spec.model, spec.dtype, device)
-    model, tokenizer = models.load(spec.model, dtype=dtype, device_map=None if device.type == "cpu" else str(device))
-    model.eval()
-    assistant = None
-    if spec.assistant:
-        assistant, _ = models.load(spec.assistant, dtype=dtype,
-                                   device_map=None if device.type == "cpu" else str(device))
+    model, tokenizer = load_model(spec.model, spec.dtype, device)
+    assistant = load_model(spec.assistant, spec.dtype, device)[0] if spec.assistant else None
     info = ModelInfo.of(model)
-    env = environment(device)
+    env = env if env is not None else environment(device)
     extra = {} if spec.stop_at_eos else {"eos_token_id": None}
     if spec.prefill_chunk is not None:
         extra["prefill_chunk_size"] = spec.prefill_chunk

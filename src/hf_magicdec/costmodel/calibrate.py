@@ -650,7 +650,8 @@ def _slug(text: str) -> str:
     return re.sub(r"[^A-Za-z0-9._-]+", "-", text).strip("-").lower() or "unknown"
 
 
-def _cpu_name() -> str:
+def cpu_name() -> str:
+    """The CPU's model name (``/proc/cpuinfo``; ``platform`` elsewhere)."""
     try:
         with open("/proc/cpuinfo", encoding="utf-8") as fh:
             for line in fh:
@@ -680,7 +681,7 @@ def device_key(device: Any = "cpu") -> str:
     device = torch.device(device)
     if device.type == "cuda":
         return _slug(f"cuda-{torch.cuda.get_device_name(device)}")
-    return _slug(f"{device.type}-{_cpu_name()}-{torch.get_num_threads()}t")
+    return _slug(f"{device.type}-{cpu_name()}-{torch.get_num_threads()}t")
 
 
 def calibration_path(model_name: str, spec: ModelSpec, device: str, dtype: str,
