@@ -24,8 +24,9 @@ $(VENV)/.installed: pyproject.toml Makefile
 demo: install
 	$(OFFLINE) $(BIN)/python -m hf_magicdec.demo
 
+# TRITON_INTERPRET=1: the Triton kernels' tests run on CPU through Triton's interpreter.
 test: install
-	$(OFFLINE) $(BIN)/python -m pytest -q
+	$(OFFLINE) TRITON_INTERPRET=1 $(BIN)/python -m pytest -q
 
 clean:
 	rm -rf $(VENV) build dist src/*.egg-info .pytest_cache

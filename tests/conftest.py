@@ -7,6 +7,8 @@ import os
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Triton kernels run on CPU through Triton's interpreter; it must be chosen before Triton is imported.
+os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest
 import torch

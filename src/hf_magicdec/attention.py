@@ -13,49 +13,11 @@ the same as decoding one.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
+
+from . import kernels
+from .kernels.reference import gqa_attention
 
 ATTENTION_NAME = "magicdec"
-
-# Above this many query rows, tiling the mask g times costs more than it saves.
-_FOLD_MAX_QUERY = 64
-
-
-def gqa_attention(
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    mask: torch.Tensor | None,
-    scaling: float | None,
-) -> torch.Tensor:
-    """Grouped-query attention without copying KV.
-
-    Parameters
-    ----------
-    query : ``[B, H, q, D]``
-    key, value : ``[B, Hkv, L, D]`` with ``H % Hkv == 0``
-    mask : ``[B, 1, q, L]`` bool (True = attend) or None (attend everywhere)
-    scaling : softmax scale (None: 1/√D)
-
-    Returns
-    -------
-    ``[B, q, H, D]`` (the layout HF attention functions return).
-    """
-    batch, heads, q_len, head_dim = query.shape
-    kv_heads = key.shape[1]
-    group = heads // kv_heads
-    if group == 1 or q_len > _FOLD_MAX_QUERY:
-        out = F.scaled_dot_product_attention(
-            query, key, value, attn_mask=mask, scale=scaling, enable_gqa=group > 1
-        )
-        return out.transpose(1, 2).contiguous()
-    # [B, Hkv*g, q, D] -> [B, Hkv, g*q, D]: query head h = kv*g + j serves KV head kv.
-    folded = query.reshape(batch, kv_heads, group * q_len, head_dim)
-    if mask is not None and q_len > 1:
-        mask = mask[:, :, None].expand(-1, -1, group, -1, -1).reshape(batch, mask.shape[1], group * q_len, -1)
-    out = F.scaled_dot_product_attention(folded, key, value, attn_mask=mask, scale=scaling)
-    return out.reshape(batch, heads, q_len, -1).transpose(1, 2).contiguous()
-
 
 def magicdec_attention_forward(
     module: torch.nn.Module,
@@ -71,9 +33,15 @@ def magicdec_attention_forward(
     """HF ``AttentionInterface`` function (see ``transformers-seams`` §4).
 
     ``magicdec_cache`` is the engine's :class:`~hf_magicdec.cache.MagicDecCache`, passed down as a
-    forward kwarg so that prefill can record the observation-window queries SnapKV scores with.
+    forward kwarg. During prefill it records the observation-window queries SnapKV scores with;
+    during draft and verify it describes each row's key ranges (:class:`~hf_magicdec.kernels.Segments`),
+    which the kernels read instead of the 4-D mask.
     """
     if magicdec_cache is not None:
+        segments = magicdec_cache.attention_segments(key.device)
+        if segments is not None:
+            scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+            return kernels.segment_attention(query, key, value, segments, scale), None
         magicdec_cache.observe(module.layer_idx, query, scaling)
     if attention_mask is not None and attention_mask.dtype != torch.bool:
         raise TypeError(f"magicdec attention expects a bool mask, got {attention_mask.dtype=}")

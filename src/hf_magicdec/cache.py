@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
+from .kernels import Segments
 from .views import DraftView, ScoreContext
 
 if TYPE_CHECKING:
@@ -108,6 +109,8 @@ class MagicDecCache(Cache):
         self._q = 0
         self._draft_step = 0
         self._memo: dict[tuple[str, torch.device], torch.Tensor] = {}
+        self._segments: Segments | None = None  # key ranges of the current draft/verify forward
+        self._segments_on: dict[torch.device, Segments] = {}
         # Draft-view state (shared by all layers: counts depend only on row lengths).
         self.view: DraftView | None = None
         self.static_slots = 0  # Ks
@@ -139,6 +142,18 @@ class MagicDecCache(Cache):
     def _begin(self, mode: str) -> None:
         self._mode = mode
         self._memo.clear()
+        self._segments = None
+        self._segments_on.clear()
+
+    def attention_segments(self, device: torch.device) -> Segments | None:
+        """Key ranges of the current draft or verify forward on ``device`` (memoised per device);
+        None during prefill, which attends through its mask."""
+        if self._segments is None:
+            return None
+        hit = self._segments_on.get(device)
+        if hit is None:
+            hit = self._segments_on[device] = self._segments.to(device)
+        return hit
 
     def begin_prefill(self, start: int, length: int) -> None:
         """Next forward writes prompt slots ``[start, start + length)`` in every row."""
@@ -156,12 +171,15 @@ class MagicDecCache(Cache):
             raise RuntimeError("build_draft_views() must run before drafting.")
         self._begin(_DRAFT)
         self._draft_step = step
+        scratch = self.static_slots + self.window_slots
+        self._segments = Segments.prefix_and_block(self._draft_filled(), scratch, scratch + step + 1)
 
     def begin_verify(self, num_tokens: int) -> None:
         """Next forward verifies ``num_tokens`` tokens per row at each row's own offset."""
         self._begin(_VERIFY)
         self._q = num_tokens
         self._write_slots = self.lengths[:, None] + torch.arange(num_tokens, device=self.lengths.device)
+        self._segments = Segments.causal(self.pad, self.lengths + num_tokens)
 
     def verify_kv_length(self, num_tokens: int) -> int:
         return self._max_len + num_tokens
@@ -273,10 +291,13 @@ class MagicDecCache(Cache):
         )
 
     def draft_valid(self) -> torch.Tensor:
-        """``[B, Ks + W]`` bool: which slots of the draft view hold a token."""
+        """``[B, Ks + W]`` bool: which slots of the draft view hold a token (a prefix of each row)."""
         view_slot = torch.arange(self.static_slots + self.window_slots, device=self.lengths.device)[None, :]
-        filled = self.static_count + torch.minimum(self.ring_ptr, self.ring_size)
-        return view_slot < filled[:, None]
+        return view_slot < self._draft_filled()[:, None]
+
+    def _draft_filled(self) -> torch.Tensor:
+        """``[B]`` filled slots of each row's view: static part, then the window as it fills."""
+        return self.static_count + torch.minimum(self.ring_ptr, self.ring_size)
 
     # ------------------------------------------------------------------ commit / rows
     def commit(self, num_tokens: torch.Tensor) -> None:

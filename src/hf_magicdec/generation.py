@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from transformers.generation.stopping_criteria import StopStringCriteria, StoppingCriteriaList
 
-from . import attention, auto
+from . import attention, auto, kernels
 from .cache import MagicDecCache
 from .config import MagicDecConfig
 from .outputs import MagicDecOutput, SpeculationStats
@@ -117,6 +117,7 @@ def generate(
         stopping_criteria.append(StopStringCriteria(stop_strings=magicdec_stop_strings, tokenizer=magicdec_tokenizer))
     check_model(model, max_length=generation_config.max_length)
     check_generation_config(generation_config)
+    kernels.check_backend(input_ids.device)  # a bad HF_MAGICDEC_KERNELS fails here, before prefill
     model_kwargs = check_model_kwargs(model_kwargs)
     chunk = generation_config.prefill_chunk_size or config.prefill_chunk_size
     batch, prompt = input_ids.shape
@@ -213,12 +214,12 @@ class _Engine:
         self.sliding_dict = _needs_mask_dict(model.config)
 
     # -------------------------------------------------------------- forward helpers
-    def _forward(self, ids, positions, mask, logits_to_keep: int | None, observe: bool = False):
-        kwargs = {}
+    def _forward(self, ids, positions, mask, logits_to_keep: int | None):
+        # The attention function reads the cache's per-row key ranges (draft / verify) or records
+        # SnapKV's observation queries (prefill); `mask` serves any layer that does not use it.
+        kwargs = {"magicdec_cache": self.cache}
         if self.keep_logits and logits_to_keep is not None:
             kwargs["logits_to_keep"] = logits_to_keep
-        if observe:
-            kwargs["magicdec_cache"] = self.cache
         if self.sliding_dict:
             mask = {"full_attention": mask, "sliding_attention": mask}
         out = self.model(
@@ -261,7 +262,7 @@ class _Engine:
             mask = (slot[None, None, :end] >= pad[:, None, None]) & (slot[None, None, :end] <= q_slot[None, :, None])
             mask |= slot[None, None, :end] == q_slot[None, :, None]  # padding queries see themselves: no NaN
             logits = self._forward(
-                input_ids[:, start:end], position_ids[:, start:end], mask[:, None], logits_to_keep=1, observe=True
+                input_ids[:, start:end], position_ids[:, start:end], mask[:, None], logits_to_keep=1
             )
         self.cache.end_prefill(prompt)
         return logits

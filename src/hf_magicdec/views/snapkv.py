@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from .. import kernels
 from .base import DraftView, ScoreContext
 
 
@@ -28,7 +29,7 @@ def snapkv_scores(
     ----------
     queries : ``[batch, heads, window, head_dim]`` queries of the last ``window`` prompt slots.
     keys : ``[batch, kv_heads, slots, head_dim]`` prompt keys; ``heads % kv_heads == 0``.
-    valid : ``[batch, slots]`` bool, real (non-padding) prompt slots.
+    valid : ``[batch, slots]`` bool, real prompt slots (left padding: a suffix of each row).
     scaling : softmax scale.
     pool_kernel : odd width of the average pooling along the key axis.
 
@@ -37,23 +38,10 @@ def snapkv_scores(
     ``[batch, kv_heads, slots]`` float32 scores (probability mass received, pooled, summed over
     the window queries and over the query heads of each KV head).
     """
-    batch, heads, window, head_dim = queries.shape
-    kv_heads, slots = keys.shape[1], keys.shape[2]
-    group = heads // kv_heads
-    # Fold the query heads of each KV head into the query axis: no KV copy for GQA.
-    q = queries.float().reshape(batch, kv_heads, group * window, head_dim)
-    logits = torch.matmul(q, keys.float().transpose(-1, -2)) * scaling  # [B, Hkv, g*w, S]
-    # Window query i sits at slot slots - window + i and sees keys up to and including itself.
-    query_slot = slots - window + torch.arange(window, device=keys.device).repeat(group)  # [g*w]
-    key_slot = torch.arange(slots, device=keys.device)
-    allowed = key_slot[None, :] <= query_slot[:, None]  # [g*w, S]
-    allowed = allowed[None, None] & valid[:, None, None, :]  # [B, 1, g*w, S]
-    logits = logits.masked_fill(~allowed, float("-inf"))
-    probs = torch.softmax(logits, dim=-1)
-    # Padding queries (rows shorter than the window) see no key: their softmax is NaN; drop them.
-    query_valid = valid[:, query_slot]  # [B, g*w]
-    probs = torch.where(query_valid[:, None, :, None], probs, torch.zeros((), device=probs.device))
-    scores = probs.sum(dim=2)  # [B, Hkv, S]
+    batch, kv_heads, slots = keys.shape[0], keys.shape[1], keys.shape[2]
+    pad = slots - valid.sum(dim=1)  # valid marks left padding: a suffix of real slots
+    # Fused on GPU (hf_magicdec.kernels): never holds the [B, H, window, slots] attention matrix.
+    scores = kernels.snapkv_mass(queries, keys, pad, scaling)  # [B, Hkv, S]
     if pool_kernel > 1:
         scores = F.avg_pool1d(
             scores.reshape(batch * kv_heads, 1, slots), kernel_size=pool_kernel, stride=1, padding=pool_kernel // 2

@@ -1,0 +1,275 @@
+#!/usr/bin/env python
+"""One short GPU run: Triton kernel correctness in bf16/fp16, kernel bandwidth, and the step-time
+ratios the cost model rests on, for real model shapes. Writes one JSON file.
+
+Needs only torch, triton and transformers: no package installs, no downloads. Models are
+random-weight builds of real configs (``scripts/configs/``, a few KB); ``hf_magicdec`` is imported
+from this checkout's ``src/``.
+
+    python scripts/gpu_check.py --out gpu_check.json                 # on a GPU: a few minutes
+    TRITON_INTERPRET=1 python scripts/gpu_check.py --smoke --out x.json   # on CPU: checks the script
+
+What it measures (issue 5's targets, Llama-3.1-8B shape in bf16):
+
+* device copy bandwidth (``y.copy_(x)``, read + write bytes per second);
+* verify kernel bandwidth at batch 32, context 32K, q = 1 and γ+1 = 5 (target ≥ 70 % of copy);
+* T_V(γ)/T_T (target ≤ 1.15 at γ = 4) and T_D(budget)/T_T (target ≤ 0.10 at budget 512) with the
+  engine's own forwards, at batch 16–64 and context 8K–32K;
+* the same attention through the stock paths (SDPA as HF calls it) and HF's DynamicCache decode
+  step, for comparison.
+
+Model-level timings use ``--layers`` decoder layers (default 8) of the real shape: a full 32-layer
+KV cache at batch 32 × 32K (128 GiB) does not fit next to the weights on one 141 GB GPU, and the
+ratios are per layer except for the embedding and LM head, which a shallower model over-weights
+(so T_D/T_T is, if anything, pessimistic).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "src"))
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+from hf_magicdec import kernels  # noqa: E402
+from hf_magicdec.kernels import Segments, reference  # noqa: E402
+
+CONFIGS = {"llama-3.1-8b": ROOT / "scripts/configs/llama-3.1-8b.json", "qwen2.5-7b": ROOT / "scripts/configs/qwen2.5-7b.json"}
+TARGETS = {"verify_bandwidth_fraction": 0.70, "tv4_over_tt": 1.15, "td512_over_tt": 0.10}
+
+
+def timed(fn, repeats: int, device: torch.device) -> float:
+    """Median seconds of ``fn()`` over ``repeats`` runs after two warm-ups."""
+    for _ in range(2):
+        fn()
+    times = []
+    for _ in range(repeats):
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            torch.cuda.synchronize(device)
+            times.append(start.elapsed_time(end) / 1e3)
+        else:
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def copy_bandwidth(device, nbytes: int, repeats: int) -> float:
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    seconds = timed(lambda: dst.copy_(src), repeats, device)
+    return 2 * nbytes / seconds / 1e9
+
+
+def check_correctness(device, smoke: bool) -> list[dict]:
+    """Triton vs the fp32 torch twin, in bf16 and fp16, verify and draft shapes, plus SnapKV."""
+    shapes = [(2, 4, 2, 1, 64, 301), (3, 8, 2, 5, 128, 517)] if smoke else [
+        (4, 4, 8, 1, 128, 4099), (4, 4, 8, 5, 128, 4099), (16, 7, 4, 5, 128, 8191), (1, 8, 8, 5, 64, 32771)]
+    tolerance = {torch.bfloat16: 2e-2, torch.float16: 2e-3}
+    results = []
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    for dtype in (torch.bfloat16, torch.float16):
+        for batch, group, kv_heads, q_len, head_dim, kv_len in shapes:
+            query = torch.randn(batch, kv_heads * group, q_len, head_dim, generator=gen).to(device, dtype)
+            key = torch.randn(batch, kv_heads, kv_len, head_dim, generator=gen).to(device, dtype)
+            value = torch.randn(batch, kv_heads, kv_len, head_dim, generator=gen).to(device, dtype)
+            ends = torch.randint(q_len + 1, kv_len + 1, (batch,), generator=gen)
+            ends[0] = kv_len
+            for kind, seg in (("verify", Segments.causal(torch.randint(0, 4, (batch,), generator=gen), ends)),
+                              ("draft", Segments.prefix_and_block(torch.clamp(ends // 3, min=1), kv_len - 8,
+                                                                  kv_len - 8 + q_len))):
+                seg = seg.to(device)
+                got = kernels._triton().segment_attention(query, key, value, seg, head_dim**-0.5)
+                want = reference.segment_attention(query.float(), key.float(), value.float(), seg, head_dim**-0.5)
+                err = (got.float() - want).abs().max().item()
+                results.append(dict(kernel="segment_attention", kind=kind, dtype=str(dtype), batch=batch, group=group,
+                                    kv_heads=kv_heads, q=q_len, head_dim=head_dim, kv_len=kv_len, max_abs_err=err,
+                                    ok=err <= tolerance[dtype]))
+        window = 32
+        q = torch.randn(2, 8 * 2, window, 128, generator=gen).to(device, dtype)
+        k = torch.randn(2, 2, 2053 if not smoke else 131, 128, generator=gen).to(device, dtype)
+        pad = torch.tensor([0, 17], device=device)
+        got = kernels._triton().snapkv_mass(q, k, pad, 128**-0.5)
+        want = reference.snapkv_mass(q.float(), k.float(), pad, 128**-0.5)
+        err = ((got - want).abs().max() / want.abs().max()).item()
+        results.append(dict(kernel="snapkv_mass", dtype=str(dtype), kv_len=k.shape[2], max_rel_err=err, ok=err <= 1e-3))
+    return results
+
+
+def kernel_timings(device, batch, context, kv_heads, group, head_dim, dtype, copy_gbs, repeats) -> list[dict]:
+    """Verify attention (q = 1 and 5) over the full cache: our kernel, its torch twin, stock SDPA."""
+    key = torch.randn(batch, kv_heads, context + 8, head_dim, device=device, dtype=dtype)
+    value = torch.randn_like(key)
+    rows = []
+    for q_len in (1, 5):
+        query = torch.randn(batch, kv_heads * group, q_len, head_dim, device=device, dtype=dtype)
+        seg = Segments.causal(torch.zeros(batch, dtype=torch.long, device=device),
+                              torch.full((batch,), context, device=device))
+        k, v = key[:, :, :context], value[:, :, :context]
+        nbytes = 2 * k.numel() * k.element_size()
+        mask = seg.mask(q_len, context)
+        paths = {
+            "triton": lambda: kernels._triton().segment_attention(query, k, v, seg, head_dim**-0.5),
+            "torch_twin": lambda: reference.segment_attention(query, k, v, seg, head_dim**-0.5),
+            # What HF's sdpa attention does: one query needs no mask (flash / efficient kernels);
+            # several queries pass a bool mask, and GQA goes through enable_gqa.
+            "stock_sdpa": (lambda: F.scaled_dot_product_attention(query, k, v, enable_gqa=True)) if q_len == 1 else
+                          (lambda: F.scaled_dot_product_attention(query, k, v, attn_mask=mask, enable_gqa=True)),
+        }
+        for name, fn in paths.items():
+            try:
+                seconds = timed(fn, repeats, device)
+            except Exception as exc:  # noqa: BLE001 - a stock path may refuse a shape; record why
+                rows.append(dict(path=name, q=q_len, error=repr(exc)[:200]))
+                continue
+            gbs = nbytes / seconds / 1e9
+            rows.append(dict(path=name, q=q_len, batch=batch, context=context, ms=seconds * 1e3, gb_per_s=gbs,
+                             fraction_of_copy=gbs / copy_gbs if copy_gbs else None))
+    del key, value
+    return rows
+
+
+def build_model(name: str, layers: int, dtype, device, smoke: bool):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    data = json.loads(CONFIGS[name].read_text())
+    data["num_hidden_layers"] = layers
+    if smoke:  # keep the real head layout ratios, shrink everything else
+        data.update(hidden_size=256, intermediate_size=512, vocab_size=1024, head_dim=64, bos_token_id=None,
+                    eos_token_id=None,
+                    num_attention_heads=data["num_attention_heads"] // data["num_key_value_heads"] * 2,
+                    num_key_value_heads=2)
+    config = AutoConfig.for_model(data.pop("model_type"), **data)
+    config._attn_implementation = "sdpa"
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    return model.eval()
+
+
+def stock_decode_step(model, batch, context, device, repeats) -> float:
+    """One 1-token forward of stock HF decoding (DynamicCache, sdpa) at ``context`` cached tokens."""
+    from transformers import DynamicCache
+
+    cfg = model.config
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    dtype = next(model.parameters()).dtype
+    cache = DynamicCache(config=cfg)
+    for layer in range(cfg.num_hidden_layers):
+        kv = torch.randn(batch, cfg.num_key_value_heads, context, head_dim, device=device, dtype=dtype)
+        cache.update(kv, kv.clone(), layer)
+    ids = torch.randint(0, cfg.vocab_size, (batch, 1), device=device)
+    position = torch.full((batch, 1), context, device=device)
+
+    def step():
+        model(input_ids=ids, position_ids=position, past_key_values=cache, use_cache=True)
+        cache.crop(-1)  # back to `context` tokens: every timed step appends one
+
+    with torch.no_grad():
+        return timed(step, repeats, device)
+
+
+def model_ratios(name, layers, batches, contexts, device, dtype, repeats, smoke) -> list[dict]:
+    from hf_magicdec.costmodel.calibrate import measure_steps
+
+    model = build_model(name, layers, dtype, device, smoke)
+    rows = []
+    for batch in batches:
+        for context in contexts:
+            try:
+                st = measure_steps(model, batch, context, gammas=(1, 2, 4, 6), budgets=(256, 512, 1024),
+                                   repeats=repeats)
+            except torch.OutOfMemoryError as exc:
+                rows.append(dict(model=name, batch=batch, context=context, error=repr(exc)[:200]))
+                torch.cuda.empty_cache()
+                continue
+            row = dict(model=name, layers=layers, batch=batch, context=context, backend=kernels.check_backend(device),
+                       t_target_ms=st.t_target * 1e3,
+                       tv_over_tt={g: t / st.t_target for g, t in st.t_verify.items()},
+                       td_over_tt={k: t / st.t_target for k, t in st.t_draft.items()})
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+    # Stock decoding at the headline shape, for comparison with T_T above.
+    batch, context = (batches[0], contexts[-1]) if smoke else (32, max(contexts))
+    try:
+        rows.append(dict(model=name, path="stock_dynamic_cache_decode", batch=batch, context=context,
+                         t_target_ms=stock_decode_step(model, batch, context, device, repeats) * 1e3))
+    except torch.OutOfMemoryError as exc:
+        rows.append(dict(model=name, path="stock_dynamic_cache_decode", error=repr(exc)[:200]))
+    del model
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return rows
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "gpu_check.json"))
+    parser.add_argument("--smoke", action="store_true", help="tiny shapes on any device (CPU: TRITON_INTERPRET=1)")
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--batches", type=int, nargs="+", default=[16, 32, 64])
+    parser.add_argument("--contexts", type=int, nargs="+", default=[8192, 32768])
+    parser.add_argument("--models", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
+    parser.add_argument("--repeats", type=int, default=10)
+    args = parser.parse_args(argv)
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.type != "cuda" and not args.smoke:
+        parser.error("no GPU: run with --smoke (and TRITON_INTERPRET=1) to check the script on CPU")
+    if args.smoke:
+        args.layers, args.batches, args.contexts, args.repeats = 1, [2], [256], 2
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    import transformers
+    import triton
+
+    report = dict(
+        device=torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
+        torch=torch.__version__, triton=triton.__version__, transformers=transformers.__version__,
+        smoke=args.smoke, targets=TARGETS, started=time.strftime("%Y-%m-%d %H:%M:%S"),
+    )
+    t0 = time.time()
+    report["copy_gb_per_s"] = copy_bandwidth(device, (1 << 20) if args.smoke else (4 << 30), args.repeats)
+    print(f"copy bandwidth {report['copy_gb_per_s']:.0f} GB/s", flush=True)
+    report["correctness"] = check_correctness(device, args.smoke)
+    print(f"correctness: {sum(r['ok'] for r in report['correctness'])}/{len(report['correctness'])} ok", flush=True)
+    shape = (2, 256, 2, 4, 64) if args.smoke else (32, 32768, 8, 4, 128)  # batch, context, Hkv, g, D
+    report["kernel"] = kernel_timings(device, *shape, dtype, report["copy_gb_per_s"], args.repeats)
+    for row in report["kernel"]:
+        print(json.dumps(row), flush=True)
+    report["model"] = []
+    for name in args.models:
+        report["model"] += model_ratios(name, args.layers, args.batches, args.contexts, device, dtype,
+                                        args.repeats, args.smoke)
+    headline = next((r for r in report["model"] if r.get("model") == "llama-3.1-8b" and r.get("batch") == 32
+                     and r.get("context") == 32768 and "tv_over_tt" in r), None)
+    verify = next((r for r in report["kernel"] if r.get("path") == "triton" and r.get("q") == 5), None)
+    report["verdict"] = dict(
+        correctness=all(r["ok"] for r in report["correctness"]),
+        verify_bandwidth_fraction=verify and verify.get("fraction_of_copy"),
+        tv4_over_tt=headline and headline["tv_over_tt"][4],
+        td512_over_tt=headline and headline["td_over_tt"][512],
+    )
+    report["seconds"] = time.time() - t0
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(report, indent=1, default=str))
+    print(json.dumps(report["verdict"]), f"wrote {args.out} in {report['seconds']:.0f} s", sep="\n")
+    return 0 if report["verdict"]["correctness"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
