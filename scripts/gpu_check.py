@@ -3,7 +3,7 @@
 ratios the cost model rests on, for real model shapes. Writes one JSON file.
 
 Needs only torch, triton and transformers: no package installs, no downloads. Models are
-random-weight builds of real configs (``scripts/configs/``, a few KB); ``hf_magicdec`` is imported
+random-weight builds of real configs (``tests/configs/``, a few KB); ``hf_magicdec`` is imported
 from this checkout's ``src/``.
 
     python scripts/gpu_check.py --out gpu_check.json                 # on a GPU: a few minutes
@@ -44,7 +44,7 @@ import torch.nn.functional as F  # noqa: E402
 from hf_magicdec import kernels  # noqa: E402
 from hf_magicdec.kernels import Segments, reference  # noqa: E402
 
-CONFIGS = {"llama-3.1-8b": ROOT / "scripts/configs/llama-3.1-8b.json", "qwen2.5-7b": ROOT / "scripts/configs/qwen2.5-7b.json"}
+CONFIGS = {name: ROOT / "tests" / "configs" / f"{name}.json" for name in ("llama-3.1-8b", "qwen2.5-7b")}
 TARGETS = {"verify_bandwidth_fraction": 0.70, "tv4_over_tt": 1.15, "td512_over_tt": 0.10}
 
 

@@ -400,7 +400,7 @@ def test_valid_candidates_match_magicdec_config():
     from hf_magicdec import MagicDecConfig
     from hf_magicdec.costmodel.planner import valid_candidate
 
-    for draft in ("streamingllm", "snapkv"):
+    for draft in ("streamingllm", "snapkv", "dynamic"):
         for budget in (16, 17, 20, 32, 33, 40, 64, 128, 256):
             for gamma in (1, 4, 8, 20, 33):
                 try:

@@ -16,6 +16,7 @@ DRAFTS = {
     # (draft, budget smaller than the prompt, budget larger than the prompt)
     "streamingllm": dict(sink_tokens=4),
     "snapkv": dict(window=8),
+    "dynamic": dict(sink_tokens=1, page_size=4, recent_window=7),
     "full": dict(),
 }
 
@@ -32,7 +33,8 @@ def _assert_same(reference, speculative, context=""):
 @pytest.mark.parametrize("arch", list(ARCHS))
 @pytest.mark.parametrize(
     "draft,budget",
-    [("streamingllm", "small"), ("streamingllm", "large"), ("snapkv", "small"), ("snapkv", "large"), ("full", "-")],
+    [("streamingllm", "small"), ("streamingllm", "large"), ("snapkv", "small"), ("snapkv", "large"),
+     ("dynamic", "small"), ("dynamic", "large"), ("full", "-")],
 )
 @pytest.mark.parametrize("gamma", [1, 3, 6])
 def test_greedy_identical(tiny_models, arch, draft, gamma, budget):
@@ -72,7 +74,7 @@ def _eos_for(model, kwargs):
 
 
 @pytest.mark.parametrize("arch", list(ARCHS))
-@pytest.mark.parametrize("draft", ["streamingllm", "snapkv"])
+@pytest.mark.parametrize("draft", ["streamingllm", "snapkv", "dynamic"])
 def test_greedy_identical_with_eos_and_processors(tiny_models, arch, draft):
     model = tiny_models(arch)
     ids, mask = ragged_prompts(batch=5, length=40, seed=11)
@@ -103,9 +105,29 @@ def test_greedy_identical_long_batch(tiny_models, arch):
     ids, mask = ragged_prompts(batch=9, length=64, seed=3, min_len=5)
     kwargs = dict(input_ids=ids, attention_mask=mask, max_new_tokens=80, do_sample=False, eos_token_id=None)
     reference = model.generate(**kwargs)
-    for draft, extra in (("streamingllm", dict(sink_tokens=2)), ("snapkv", dict(window=6))):
+    for draft, extra in (("streamingllm", dict(sink_tokens=2)), ("snapkv", dict(window=6)),
+                         ("dynamic", dict(sink_tokens=1, page_size=2, recent_window=6)),
+                         ("snapkv", dict(window=6, refresh_every=5))):
         out = model.generate(**kwargs, speculative="magicdec", draft=draft, draft_budget=16, gamma=3, **extra)
         _assert_same(reference, out, f"long/{draft}")
+
+
+@pytest.mark.parametrize("arch", list(ARCHS))
+@pytest.mark.parametrize(
+    "draft,refresh",
+    [("snapkv", dict(refresh_every=4)), ("snapkv", dict(refresh_below=0.99)), ("streamingllm", dict(refresh_every=4))],
+    ids=["snapkv-every4", "snapkv-below0.99", "streamingllm-every4"],
+)
+def test_greedy_identical_with_refresh(tiny_models, arch, draft, refresh):
+    """Re-selecting the static part during generation (hf_magicdec.refresh) changes nothing in the output."""
+    model = tiny_models(arch)
+    ids, mask = ragged_prompts(batch=4, length=48, seed=7)
+    kwargs = dict(input_ids=ids, attention_mask=mask, max_new_tokens=40, do_sample=False, eos_token_id=None)
+    reference = model.generate(**kwargs)
+    out = model.generate(**kwargs, speculative="magicdec", draft=draft, draft_budget=16, gamma=3,
+                         return_dict_in_generate=True, **DRAFTS[draft], **refresh)
+    _assert_same(reference, out.sequences, f"{arch}/{draft}/{refresh}")
+    assert out.speculation.refreshes > 0
 
 
 def test_unpadded_batch_and_single_row(tiny_models):

@@ -102,7 +102,8 @@ def test_snapkv_mass_matches_oracle_and_twin(batch, group, kv_heads, window, hea
     logits = q @ keys.double().transpose(-1, -2) * scale
     qslot = slots - window + torch.arange(window).repeat(group)
     kslot = torch.arange(slots)
-    allowed = (kslot[None, None, None] <= qslot[None, None, :, None]) & (kslot[None, None, None] >= pad[:, None, None, None])
+    allowed = kslot[None, None, None] <= qslot[None, None, :, None]
+    allowed = allowed & (kslot[None, None, None] >= pad[:, None, None, None])
     probs = torch.softmax(logits.masked_fill(~allowed, float("-inf")), -1)
     probs = torch.where((qslot[None, :] >= pad[:, None])[:, None, :, None], probs, torch.zeros(()))
     want = probs.sum(2)

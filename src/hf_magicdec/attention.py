@@ -40,6 +40,7 @@ def magicdec_attention_forward(
     if magicdec_cache is not None:
         segments = magicdec_cache.attention_segments(key.device)
         if segments is not None:
+            magicdec_cache.before_attention(module.layer_idx, query, scaling)  # dynamic view / refresh
             scale = scaling if scaling is not None else query.shape[-1] ** -0.5
             return kernels.segment_attention(query, key, value, segments, scale), None
         magicdec_cache.observe(module.layer_idx, query, scaling)

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from .config import AUTO, DEFAULT_BUDGET, DEFAULT_DRAFT, DEFAULT_GAMMA, MagicDecConfig
+from .distributed import with_tp_degree
 
 log = logging.getLogger("hf_magicdec")
 
@@ -43,6 +44,11 @@ def record_acceptance(model, draft: str, budget: int, accepted: int, drafted: in
     with _LOCK:
         a, d = _OBSERVED.get(key, (0, 0))
         _OBSERVED[key] = (a + accepted, d + drafted)
+
+
+def draft_key(draft: str, draft_model=None) -> str:
+    """The name α is recorded and planned under: the view, or ``model:<draft model>:<view>``."""
+    return draft if draft_model is None else f"model:{_model_key(draft_model)}:{draft}"
 
 
 def observed_acceptance(model, draft: str, budget: int) -> float | None:
@@ -88,22 +94,31 @@ class Resolution:
     plan: Any = None
     draft_ratio: float | None = None
     verify_ratio: dict[int, float] | None = None
+    use_draft_model: bool = True  # False: the planner preferred self-speculation to the draft model
 
 
-def resolve(config: MagicDecConfig, model, batch: int, prompt_len: int, new_tokens: int) -> Resolution:
-    """Fill the ``"auto"`` fields of ``config`` for this workload (see module docstring)."""
+def resolve(config: MagicDecConfig, model, batch: int, prompt_len: int, new_tokens: int,
+            draft_model=None) -> Resolution:
+    """Fill the ``"auto"`` fields of ``config`` for this workload (see module docstring).
+
+    With a separate ``draft_model``, its candidates (each view on *its* cache) are planned; when
+    ``draft``, ``draft_budget`` and ``gamma`` are all ``"auto"``, self-speculation competes too and
+    may win (``Resolution.use_draft_model`` is then False)."""
     if config.is_resolved and not config.adaptive:
         return Resolution(config)
     from .costmodel import draft_step, plan, target_step, verify_step
+    from .costmodel.selection import selection_seconds
     from .costmodel.modelspec import ModelSpec
 
     spec = ModelSpec.from_config(model.config, dtype=model.dtype)
     hardware, where = hardware_for(model, config, spec)
+    hardware = with_tp_degree(hardware, model)  # a tensor-parallel model plans as a TP group
 
     def prior_or_observed(draft, budget, context):
         from .costmodel import default_acceptance
 
-        seen = observed_acceptance(model, draft, budget)
+        key = draft_key(draft.split(":", 1)[1], draft_model) if draft.startswith("model:") else draft
+        seen = observed_acceptance(model, key, budget)
         return seen if seen is not None else default_acceptance(draft, budget, context)
 
     kwargs = dict(batch_size=batch, prompt_len=max(prompt_len, 1), new_tokens=max(new_tokens, 1), hardware=hardware,
@@ -116,11 +131,17 @@ def resolve(config: MagicDecConfig, model, batch: int, prompt_len: int, new_toke
         kwargs["gammas"] = (config.gamma,) if config.gamma > 0 else (1,)
     else:
         kwargs["gammas"] = tuple(range(1, config.max_gamma + 1))
+    if draft_model is not None:
+        kwargs["draft_model"] = ModelSpec.from_config(draft_model.config, dtype=draft_model.dtype)
+        kwargs["self_speculation"] = config.planner_may_decline and config.draft == AUTO
+        if config.draft != AUTO:
+            kwargs["draft_model_drafts"] = (config.draft,)
     p = plan(spec, **kwargs)
+    use_draft_model = p.draft_model is not None
     if config.planner_may_decline and (not p.speculate or p.draft is None):
         log.info("hf_magicdec planner (%s): plain decoding for batch %d x %d tokens: %s", where, batch, prompt_len,
                  p.reason)
-        return Resolution(None, p)
+        return Resolution(None, p, use_draft_model=False)
     if p.draft is None:  # prompt shorter than every budget considered: the view keeps it whole
         chosen = {"draft": DEFAULT_DRAFT if config.draft == AUTO else config.draft,
                   "draft_budget": DEFAULT_BUDGET if config.draft_budget == AUTO else config.draft_budget,
@@ -133,14 +154,17 @@ def resolve(config: MagicDecConfig, model, batch: int, prompt_len: int, new_toke
     log.info("hf_magicdec planner (%s): %s budget %s gamma %s, predicted %.2fx", where, resolved.draft,
              resolved.draft_budget, resolved.gamma, p.predicted_speedup)
     if not resolved.adaptive:
-        return Resolution(resolved, p)
+        return Resolution(resolved, p, use_draft_model=use_draft_model)
     # Adaptive γ re-weighs γ each step with the same step-time model: T_D/T_T and T_V(γ)/T_T.
     context = max(int(p.context), 1)
     tt = target_step(spec, hardware, batch, context).seconds
-    draft_ratio = draft_step(spec, hardware, batch, context, resolved.draft_budget).seconds / tt
+    drafter = kwargs["draft_model"] if use_draft_model else spec
+    draft_ratio = draft_step(drafter, hardware, batch, context, resolved.draft_budget).seconds / tt
+    draft_ratio += selection_seconds(drafter, hardware, batch, context, resolved.draft_budget, resolved.draft,
+                                     resolved.page_size) / tt  # query-aware views (dynamic)
     verify_ratio = {g: verify_step(spec, hardware, batch, context, g).seconds / tt
                     for g in range(1, config.max_gamma + 1)}
-    return Resolution(resolved, p, draft_ratio, verify_ratio)
+    return Resolution(resolved, p, draft_ratio, verify_ratio, use_draft_model)
 
 
 class GammaController:
@@ -222,6 +246,7 @@ def plan(model_or_config, *, batch_size: int, prompt_len: int, new_tokens: int, 
     if hardware is None:
         if hasattr(model_or_config, "parameters") and hasattr(model_or_config, "config"):
             hardware, _ = hardware_for(model_or_config, MagicDecConfig())
+            hardware = with_tp_degree(hardware, model_or_config)
         else:
             hardware = "h100"
     return costmodel_plan(model_or_config, batch_size=batch_size, prompt_len=prompt_len, new_tokens=new_tokens,

@@ -22,6 +22,7 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from .kernels import Segments
+from .refresh import Refresher
 from .views import DraftView, ScoreContext
 
 if TYPE_CHECKING:
@@ -120,6 +121,10 @@ class MagicDecCache(Cache):
         self.ring_size: torch.Tensor | None = None  # [B] rolling-window slots per row (Ks + W - sc)
         self.ring_ptr: torch.Tensor | None = None  # [B] tokens ever written to the window
         self.observation_window = 0
+        # Per-row tensors of query-aware views and refresh, keyed (name, layer or -1); they follow select_rows.
+        self.row_state: dict[tuple[str, int], torch.Tensor] = {}
+        self.view_config: "MagicDecConfig | None" = None
+        self.refresher: Refresher | None = None  # refresh_every / refresh_below (hf_magicdec.refresh)
 
     # ------------------------------------------------------------------ bookkeeping
     def max_length(self) -> int:
@@ -165,14 +170,20 @@ class MagicDecCache(Cache):
         self._max_len = prompt_slots
         self._mode = None
 
-    def begin_draft(self, step: int) -> None:
-        """Next forward is draft step ``step`` (one token per row) on the draft views."""
+    def begin_draft(self, step: int, num_tokens: int = 1, skip: torch.Tensor | None = None) -> None:
+        """Next forward drafts on the draft views: ``num_tokens`` tokens per row written to draft
+        scratch slots ``[step, step + num_tokens)``, attending to the view and causally to the
+        scratch written so far, except its first ``skip[b]`` slots (``[B]``; a separate draft
+        model re-feeds a token whose KV is already in the view)."""
         if self.view is None:
             raise RuntimeError("build_draft_views() must run before drafting.")
         self._begin(_DRAFT)
-        self._draft_step = step
+        self._draft_step, self._q = step, num_tokens
         scratch = self.static_slots + self.window_slots
-        self._segments = Segments.prefix_and_block(self._draft_filled(), scratch, scratch + step + 1)
+        self._segments = Segments.prefix_and_block(self._draft_filled(), scratch, scratch + step + num_tokens)
+        if skip is not None:
+            s = self._segments
+            self._segments = Segments(s.lo1, s.hi1, (scratch + skip).to(s.lo2), s.hi2)
 
     def begin_verify(self, num_tokens: int) -> None:
         """Next forward verifies ``num_tokens`` tokens per row at each row's own offset."""
@@ -198,9 +209,10 @@ class MagicDecCache(Cache):
             return layer.keys[:, :, :end], layer.values[:, :, :end]
         if mode == _DRAFT:
             slot = self.static_slots + self.window_slots + self._draft_step
-            layer.draft_keys[:, :, slot] = key_states[:, :, 0]
-            layer.draft_values[:, :, slot] = value_states[:, :, 0]
-            return layer.draft_keys[:, :, : slot + 1], layer.draft_values[:, :, : slot + 1]
+            end = slot + self._q
+            layer.draft_keys[:, :, slot:end] = key_states
+            layer.draft_values[:, :, slot:end] = value_states
+            return layer.draft_keys[:, :, :end], layer.draft_values[:, :, :end]
         if mode == _PREFILL:
             end = self._start + self._q
             layer.keys[:, :, self._start : end] = key_states
@@ -220,6 +232,15 @@ class MagicDecCache(Cache):
             tail = torch.cat([layer.observed_queries, tail], dim=2)[:, :, -self.observation_window :]
         layer.observed_queries = tail.detach().clone()
         layer.scaling = scaling
+
+    def before_attention(self, layer_idx: int, query: torch.Tensor, scaling: float | None) -> None:
+        """Called by the attention function before each draft / verify attention: a query-aware
+        view refills this layer's static part from the draft query (``views/dynamic.py``); the
+        refresh policy records verify queries (``refresh.py``). A no-op otherwise."""
+        if self._mode == _DRAFT and self.view is not None and self.view.query_aware:
+            self.view.refill(self, layer_idx, query, scaling)
+        elif self._mode == _VERIFY and self.refresher is not None:
+            self.refresher.record(self, layer_idx, query, scaling)
 
     # ------------------------------------------------------------------ draft views
     def build_draft_views(self, view: DraftView, config: "MagicDecConfig", prompt_slots: int, max_new_tokens: int,
@@ -258,6 +279,9 @@ class MagicDecCache(Cache):
         for layer in self.layers:
             self._build_layer_view(layer, view, config, prompt_slots, valid, candidate, ring_src, is_static)
             layer.observed_queries = None
+        self.view_config = config
+        view.prepare(self, config, prompt_slots)  # e.g. dynamic's page summaries
+        self.refresher = Refresher.create(view, config, self)
         self._mode = None
 
     def _build_layer_view(self, layer, view, config, prompt_slots, valid, candidate, ring_src, is_static) -> None:
@@ -316,15 +340,53 @@ class MagicDecCache(Cache):
             ring = self.static_count[:, None] + (self.ring_ptr[:, None] + j) % self.ring_size[:, None]
             trash = self.static_slots + self.window_slots + self.gamma
             dst = torch.where(j[None, :] < num_tokens[:, None], ring, torch.full_like(ring, trash))
+            moved: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}  # one copy per device (device maps)
             for layer in self.layers:
                 dev = layer.keys.device
-                s, d = src.to(dev), dst.to(dev)
+                if dev not in moved:
+                    moved[dev] = (src.to(dev), dst.to(dev))
+                s, d = moved[dev]
                 _copy_slots(layer.keys, s, layer.draft_keys, d)
                 _copy_slots(layer.values, s, layer.draft_values, d)
             self.ring_ptr += num_tokens
         self.lengths += num_tokens
         self._max_len = int(self.lengths.max().item()) if self.lengths.numel() else 0
         self._mode = None
+
+    def commit_scratch(self, src: torch.Tensor, count: torch.Tensor) -> None:
+        """Append draft scratch slots ``src[b, :count[b]]`` (relative to the scratch start) to each
+        row's rolling window: a separate draft model's own KV of the committed tokens.
+
+        Parameters
+        ----------
+        src : ``[B, n]`` scratch slot of each token to append, in order.
+        count : ``[B]`` tokens to append per row, ``<= n``.
+        """
+        dev = self.lengths.device
+        src, count = src.to(dev), count.to(dev).long()
+        j = torch.arange(src.shape[1], device=dev)
+        scratch = self.static_slots + self.window_slots
+        ring = self.static_count[:, None] + (self.ring_ptr[:, None] + j) % self.ring_size[:, None]
+        dst = torch.where(j[None, :] < count[:, None], ring, torch.full_like(ring, scratch + self.gamma))
+        moved: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+        for layer in self.layers:
+            d = layer.draft_keys.device
+            if d not in moved:
+                moved[d] = ((scratch + src).to(d), dst.to(d))
+            s, t = moved[d]
+            _copy_slots(layer.draft_keys, s, layer.draft_keys, t)
+            _copy_slots(layer.draft_values, s, layer.draft_values, t)
+        self.ring_ptr += count
+        self._mode = None
+
+    def release_full_kv(self) -> None:
+        """Free the full cache once the draft views are built, for a draft model that only ever
+        attends to its views (their rolling windows are fed by :meth:`commit_scratch`)."""
+        for layer in self.layers:
+            if layer.is_initialized:
+                # New empty tensors: a zero-length slice would keep the old storage alive.
+                layer.keys = layer.keys.new_empty((*layer.keys.shape[:2], 0, layer.keys.shape[-1]))
+                layer.values = layer.values.new_empty((*layer.values.shape[:2], 0, layer.values.shape[-1]))
 
     def select_rows(self, rows: torch.Tensor) -> None:
         """Keep only ``rows`` (``[B']`` indices), dropping finished rows from the working batch."""
@@ -335,15 +397,20 @@ class MagicDecCache(Cache):
             self.static_count = self.static_count.index_select(0, rows)
             self.ring_size = self.ring_size.index_select(0, rows)
             self.ring_ptr = self.ring_ptr.index_select(0, rows)
+        moved: dict[torch.device, torch.Tensor] = {}  # one copy per device (device maps)
         for layer in self.layers:
             if not layer.is_initialized:
                 continue
-            r = rows.to(layer.keys.device)
+            r = moved.get(layer.keys.device)
+            if r is None:
+                r = moved[layer.keys.device] = rows.to(layer.keys.device)
             layer.keys = layer.keys.index_select(0, r)
             layer.values = layer.values.index_select(0, r)
             if layer.draft_keys is not None:
                 layer.draft_keys = layer.draft_keys.index_select(0, r)
                 layer.draft_values = layer.draft_values.index_select(0, r)
+        for key, t in self.row_state.items():
+            self.row_state[key] = t.index_select(0, rows.to(t.device))
         self.num_rows = int(rows.numel())
         self._max_len = int(self.lengths.max().item()) if self.lengths.numel() else 0
         self._memo.clear()

@@ -24,6 +24,7 @@ DEFAULT_BUDGET = 256
 DEFAULT_GAMMA = 3
 DEFAULT_SINK_TOKENS = 16
 DEFAULT_WINDOW = 32
+DEFAULT_PAGE_SIZE = 16
 DEFAULT_PREFILL_CHUNK = 1024
 DEFAULT_MAX_GAMMA = 8
 MAX_GAMMA = 32
@@ -48,7 +49,8 @@ class MagicDecConfig:
     ----------
     draft : str
         Draft view: ``"streamingllm"`` (sink tokens + recent window), ``"snapkv"`` (per-KV-head
-        selection scored by the last ``window`` prompt queries + recent window), ``"full"``
+        selection scored by the last ``window`` prompt queries + recent window), ``"dynamic"``
+        (pages re-selected from each draft query, Quest-style; see ``docs/draft_views.md``), ``"full"``
         (the whole cache; every draft token is accepted, a sanity mode) or ``"auto"``.
     draft_budget : int or "auto"
         Tokens of KV per layer, per row and per KV head that the draft attends to (static
@@ -68,18 +70,28 @@ class MagicDecConfig:
         ``"cpu"``). Default: the cached calibration of this model on this device
         (``hf-magicdec plan --calibrate``), else the preset matching the device.
     sink_tokens : int
-        ``streamingllm`` only: the first tokens of the prompt that always stay in the view.
+        ``streamingllm`` and ``dynamic``: the first tokens of the prompt that always stay in the view.
     window : int
         ``snapkv`` only: observation window (last prompt queries used for scoring). It is also
         the smallest size of SnapKV's rolling recent window.
     recent_window : int | None
-        ``snapkv`` only: size of the rolling window of recent tokens (prompt tail, then committed
-        tokens). Default ``max(window, draft_budget // 4)``.
+        ``snapkv`` and ``dynamic``: size of the rolling window of recent tokens (prompt tail, then
+        committed tokens). Default ``max(window, draft_budget // 4)`` (``dynamic``: ``draft_budget // 4``).
     pool_kernel : int
         ``snapkv`` only: width of the 1-D average pooling over key scores (odd).
     prefill_chunk_size : int
         Prompt tokens per prefill forward, so that long prompts never allocate full-length
         scratch. ``generation_config.prefill_chunk_size``, when set, takes precedence.
+    page_size : int
+        ``dynamic`` only: prompt tokens per page ``P`` (per-page key min / max summaries, 2/P of
+        the prompt's keys, are scored against every draft query).
+    refresh_every : int or None
+        Static views (``snapkv``, ``streamingllm``): re-select the static part of a row every
+        this many committed tokens, scored by the row's last ``window`` committed queries.
+        Default None: never.
+    refresh_below : float or None
+        Static views: re-select every row's static part when the acceptance pooled over rows over
+        the last 8 verification steps falls below this, in (0, 1]. Default None: never.
 
     Raises
     ------
@@ -105,6 +117,9 @@ class MagicDecConfig:
     recent_window: int | None = None
     pool_kernel: int = 5
     prefill_chunk_size: int = DEFAULT_PREFILL_CHUNK
+    page_size: int = DEFAULT_PAGE_SIZE
+    refresh_every: int | None = None
+    refresh_below: float | None = None
 
     def __post_init__(self) -> None:
         from .views import available_views
@@ -142,6 +157,13 @@ class MagicDecConfig:
             raise ValueError(f"pool_kernel must be a positive odd int, got {self.pool_kernel=}.")
         if self.prefill_chunk_size < 1:
             raise ValueError(f"prefill_chunk_size must be >= 1, got {self.prefill_chunk_size=}.")
+        if not _is_int(self.page_size) or self.page_size < 1:
+            raise ValueError(f"page_size must be a positive int, got {self.page_size=!r}.")
+        if self.refresh_every is not None and (not _is_int(self.refresh_every) or self.refresh_every < 1):
+            raise ValueError(f"refresh_every must be a positive int or None, got {self.refresh_every=!r}.")
+        below = self.refresh_below
+        if below is not None and (isinstance(below, bool) or not isinstance(below, (int, float)) or not 0 < below <= 1):
+            raise ValueError(f"refresh_below must be a number in (0, 1] or None, got {self.refresh_below=!r}.")
         if self.is_resolved:
             # The rolling window takes up to gamma+1 committed tokens per step without overwriting
             # itself, so it must hold at least that many.

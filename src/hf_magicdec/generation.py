@@ -27,6 +27,8 @@ from transformers.generation.stopping_criteria import StopStringCriteria, Stoppi
 from . import attention, auto, kernels
 from .cache import MagicDecCache
 from .config import MagicDecConfig
+from .draft_model import DraftModelDrafter, check_draft_model
+from .distributed import LOCAL, Lockstep, resolve_synced_gpus
 from .outputs import MagicDecOutput, SpeculationStats
 from .ragged import RaggedBatch
 from .sampling import greedy_verify, rejection_sample
@@ -41,7 +43,7 @@ def generate(
     logits_processor=None,
     stopping_criteria=None,
     generation_config=None,
-    synced_gpus: bool = False,
+    synced_gpus: bool | None = None,
     streamer=None,
     *,
     tokenizer=None,
@@ -54,11 +56,15 @@ def generate(
     window: int | None = None,
     recent_window: int | None = None,
     pool_kernel: int | None = None,
+    page_size: int | None = None,
+    refresh_every: int | None = None,
+    refresh_below: float | None = None,
     magicdec_config: MagicDecConfig | None = None,
     magicdec_streamer=None,
     magicdec_synced_gpus: bool | None = None,
     magicdec_stop_strings: str | list[str] | None = None,
     magicdec_tokenizer=None,
+    magicdec_draft_model=None,
     **model_kwargs,
 ):
     """Self-speculative (MagicDec) decoding, called by ``GenerationMixin.generate``.
@@ -75,11 +81,13 @@ def generate(
     logits_processor, stopping_criteria, generation_config : as prepared by ``generate``.
     tokenizer : enables ``stop_strings`` (``generate`` builds the criterion from it).
     speculative, draft, draft_budget, gamma, sink_tokens, window, recent_window, pool_kernel,
-        magicdec_config :
+        page_size, refresh_every, refresh_below, magicdec_config :
         MagicDec settings (see :class:`~hf_magicdec.MagicDecConfig`); explicit values win.
     magicdec_streamer, magicdec_synced_gpus, magicdec_stop_strings, magicdec_tokenizer :
         streamer, ``synced_gpus``, ``stop_strings`` and tokenizer forwarded by the ``speculative=``
         routing (``generate`` does not hand them to custom callables).
+    magicdec_draft_model : a separate small draft model (``draft_model=`` in ``model.generate``;
+        same tokenizer); ``draft`` then compresses *its* cache. See :mod:`hf_magicdec.draft_model`.
     **model_kwargs : ``attention_mask`` ``[B, P]`` or None, ``position_ids``, the empty cache …
 
     Returns
@@ -102,11 +110,13 @@ def generate(
         window=window,
         recent_window=recent_window,
         pool_kernel=pool_kernel,
+        page_size=page_size,
+        refresh_every=refresh_every,
+        refresh_below=refresh_below,
     )
     streamer = magicdec_streamer if magicdec_streamer is not None else streamer
-    synced = magicdec_synced_gpus if magicdec_synced_gpus is not None else synced_gpus
-    if synced:
-        raise NotImplementedError("synced_gpus=True (ZeRO-3 / FSDP) is not supported by speculative='magicdec' yet.")
+    # None: HF's default (on under ZeRO-3 / FSDP with several processes); see distributed.py.
+    synced = resolve_synced_gpus(model, magicdec_synced_gpus if magicdec_synced_gpus is not None else synced_gpus)
     if magicdec_stop_strings:
         if magicdec_tokenizer is None:
             raise ValueError(
@@ -118,11 +128,18 @@ def generate(
     check_model(model, max_length=generation_config.max_length)
     check_generation_config(generation_config)
     kernels.check_backend(input_ids.device)  # a bad HF_MAGICDEC_KERNELS fails here, before prefill
+    if magicdec_draft_model is not None:
+        check_draft_model(model, magicdec_draft_model, config)
     model_kwargs = check_model_kwargs(model_kwargs)
     chunk = generation_config.prefill_chunk_size or config.prefill_chunk_size
     batch, prompt = input_ids.shape
     _left_padding(model_kwargs.get("attention_mask"), batch, input_ids.device)  # refuse right padding up front
-    resolution = auto.resolve(config, model, batch, prompt, max(generation_config.max_length - prompt, 0))
+    lockstep = Lockstep.for_model(model, synced, input_ids.device, generation_config._pad_token_tensor)
+    # Every rank of a TP group (every rank under synced_gpus) runs the first rank's plan.
+    resolution = auto.resolve(config, model, batch, prompt, max(generation_config.max_length - prompt, 0),
+                              draft_model=magicdec_draft_model)
+    resolution = lockstep.agree(resolution)
+    draft_model = magicdec_draft_model if resolution.use_draft_model else None
     if resolution.config is None:
         # The planner predicts no speedup: decode exactly as stock `generate` does (which would
         # have streamed the prompt before decoding; the routing kept the streamer from it).
@@ -138,9 +155,11 @@ def generate(
                                  plan=resolution.plan.to_dict() if resolution.plan is not None else None)
         return MagicDecOutput(**{k: v for k, v in out.items()}, speculation=stats)
 
-    with _magicdec_attention(model):
+    draft_attention = _magicdec_attention(draft_model) if draft_model is not None else contextlib.nullcontext()
+    with _magicdec_attention(model), draft_attention, lockstep.watching(model):
         engine = _Engine(model, resolution.config, generation_config, logits_processor, stopping_criteria, streamer,
-                         chunk, resolution)
+                         chunk, resolution, draft_model=draft_model)
+        engine.lockstep = lockstep
         return engine.run(input_ids, model_kwargs.get("attention_mask"), model_kwargs.get("position_ids"))
 
 
@@ -198,8 +217,10 @@ class _Engine:
     """State of one generation. Tensors named ``*_all`` are indexed by original row; the others by
     position in the working (unfinished) batch, whose original indices are ``self.rows``."""
 
+    lockstep: Lockstep = LOCAL  # multi-process agreement (tensor parallel, synced_gpus); see distributed.py
+
     def __init__(self, model, config, generation_config, logits_processor, stopping_criteria, streamer, chunk,
-                 resolution=None):
+                 resolution=None, draft_model=None):
         self.model = model
         self.resolution = resolution if resolution is not None else auto.Resolution(config)
         self.config = config
@@ -210,23 +231,27 @@ class _Engine:
         self.chunk = chunk
         self.do_sample = bool(generation_config.do_sample)
         self.view = get_view(config.draft)
+        # A separate draft model, or None: the model drafts on its own views (self-speculation).
+        self.drafter = DraftModelDrafter(self, draft_model, self.view, config) if draft_model is not None else None
         self.keep_logits = model._supports_logits_to_keep()
         self.sliding_dict = _needs_mask_dict(model.config)
 
     # -------------------------------------------------------------- forward helpers
-    def _forward(self, ids, positions, mask, logits_to_keep: int | None):
+    def _forward(self, ids, positions, mask, logits_to_keep: int | None, model=None, cache=None):
         # The attention function reads the cache's per-row key ranges (draft / verify) or records
         # SnapKV's observation queries (prefill); `mask` serves any layer that does not use it.
-        kwargs = {"magicdec_cache": self.cache}
+        model = self.model if model is None else model
+        cache = self.cache if cache is None else cache
+        kwargs = {"magicdec_cache": cache}
         if self.keep_logits and logits_to_keep is not None:
             kwargs["logits_to_keep"] = logits_to_keep
         if self.sliding_dict:
             mask = {"full_attention": mask, "sliding_attention": mask}
-        out = self.model(
+        out = model(
             input_ids=ids,
             position_ids=positions,
             attention_mask=mask,
-            past_key_values=self.cache,
+            past_key_values=cache,
             use_cache=True,
             return_dict=True,
             **kwargs,
@@ -238,7 +263,8 @@ class _Engine:
 
     def _prefill(self, input_ids, position_ids, pad, capacity: int) -> torch.Tensor:
         """Build ``self.cache`` and fill it with the prompt in chunks; returns the last logits ``[B, 1, V]``."""
-        observe = self.view.observation_window(self.config) if self.config.gamma > 0 else 0  # gamma 0: no view
+        # No view on the target when gamma is 0 or a separate draft model drafts.
+        observe = self.view.observation_window(self.config) if self.config.gamma > 0 and self.drafter is None else 0
         store = _SHARED_PREFILL.get()
         if store is not None:
             for entry in store:
@@ -251,21 +277,28 @@ class _Engine:
         return logits
 
     def _compute_prefill(self, input_ids, position_ids, pad, capacity: int, observe: int) -> torch.Tensor:
+        self.cache, logits = self.prefill_model(self.model, input_ids, position_ids, pad, capacity, observe)
+        return logits
+
+    def prefill_model(self, model, input_ids, position_ids, pad, capacity: int, observe: int):
+        """Fill a new :class:`MagicDecCache` of ``model`` with the prompt in chunks.
+        Returns ``(cache, last logits [B, 1, V])``."""
         batch, prompt = input_ids.shape
-        self.cache = MagicDecCache(self.model.config.num_hidden_layers, batch, capacity, pad)
-        self.cache.observation_window = observe
+        cache = MagicDecCache(model.config.num_hidden_layers, batch, capacity, pad)
+        cache.observation_window = observe
         slot = torch.arange(prompt, device=input_ids.device)
         for start in range(0, prompt, self.chunk):
             end = min(prompt, start + self.chunk)
-            self.cache.begin_prefill(start, end - start)
+            cache.begin_prefill(start, end - start)
             q_slot = slot[start:end]
             mask = (slot[None, None, :end] >= pad[:, None, None]) & (slot[None, None, :end] <= q_slot[None, :, None])
             mask |= slot[None, None, :end] == q_slot[None, :, None]  # padding queries see themselves: no NaN
             logits = self._forward(
-                input_ids[:, start:end], position_ids[:, start:end], mask[:, None], logits_to_keep=1
+                input_ids[:, start:end], position_ids[:, start:end], mask[:, None], logits_to_keep=1,
+                model=model, cache=cache,
             )
-        self.cache.end_prefill(prompt)
-        return logits
+        cache.end_prefill(prompt)
+        return cache, logits
 
     # -------------------------------------------------------------- main loop
     def run(self, input_ids, attention_mask, position_ids):
@@ -279,7 +312,7 @@ class _Engine:
             # gamma + 1 committed tokens must fit in the rolling window without overwriting it;
             # the controller never goes above max_gamma (a larger starting gamma is clamped).
             window = self.view.window_slots(config, prompt, max_new)
-            scratch = max(1, min(config.max_gamma, window - 1))
+            scratch = self.lockstep.agree_min(max(1, min(config.max_gamma, window - 1)))
             res = self.resolution
             prior = res.plan.acceptance if res.plan is not None and res.plan.acceptance else 0.8
             controller = auto.GammaController(gamma, scratch, prior, res.draft_ratio, res.verify_ratio)
@@ -297,6 +330,7 @@ class _Engine:
             gamma=config.gamma,
             draft=config.draft,
             draft_budget=config.draft_budget,
+            draft_model=self.drafter.name if self.drafter is not None else None,
             adaptive_gamma=controller is not None,
             row_gammas=[[] for _ in range(batch)],
             plan=self.resolution.plan.to_dict() if self.resolution.plan is not None else None,
@@ -309,19 +343,25 @@ class _Engine:
         if self.streamer is not None:
             self.streamer.put(input_ids.cpu())
         if max_new == 0:
+            self.lockstep.sit_out(gamma, controller, self.drafter is None)
             if self.streamer is not None:
                 self.streamer.end()
             return self._finish(rb, torch.full((batch,), prompt, device=device), prompt, pad_id, stats, [], [])
 
         # ---------------- prefill
         t0 = time.perf_counter()
+        self.lockstep.plan_forwards(-(-prompt // self.chunk))
         logits = self._prefill(input_ids, position_ids, pad, capacity)
         first_logits = logits[:, -1].float()
         rows = torch.arange(batch, device=device)
         seq_len = torch.full((batch,), prompt, device=device, dtype=torch.long)  # [B] tokens incl. pending
         scores = rb.process(rows, seq_len, first_logits[:, None])[:, 0]
         first = torch.multinomial(torch.softmax(scores, -1), 1).squeeze(1) if self.do_sample else scores.argmax(-1)
-        if gamma > 0:
+        first = self.lockstep.share(first)
+        self.lockstep.match_forwards()
+        if gamma > 0 and self.drafter is not None:
+            self.drafter.prefill(input_ids, position_ids, pad, max_new, scratch)
+        elif gamma > 0:
             self.cache.build_draft_views(self.view, config, prompt, max_new, scratch=scratch)
         _profile_sync(device)
         stats.prefill_seconds = time.perf_counter() - t0
@@ -348,13 +388,20 @@ class _Engine:
             seq_len[rows] = torch.minimum(seq_len[rows] + keep, cap[rows])
             if stats.steps > 0:  # verified KV of pending + accepted tokens: one slot per kept token
                 self.cache.commit(keep)
+                if self.cache.refresher is not None:  # re-select a static view (hf_magicdec.refresh)
+                    stats.refreshes += self.cache.refresher.after_commit(self.cache, keep, accepted,
+                                                                         stats.gamma_trace[-1])
+                if self.drafter is not None:
+                    self.drafter.commit(keep)
             alive = ~finished
-            if not bool(alive.any()):
+            if not self.lockstep.keep_going(bool(alive.any()), gamma, controller, self.drafter is None):
                 break
             if not bool(alive.all()):
                 keep_idx = alive.nonzero().squeeze(1)
                 rows = rows[keep_idx]
                 self.cache.select_rows(keep_idx)
+                if self.drafter is not None:
+                    self.drafter.select_rows(keep_idx)
             pending = rb.tokens[rows, seq_len[rows] - 1]
 
             # Draft gamma tokens on the draft view.
@@ -376,6 +423,7 @@ class _Engine:
                 accepted, nxt = rejection_sample(drafts, draft_probs, torch.softmax(target_scores, dim=-1))
             else:
                 accepted, nxt = greedy_verify(drafts, target_scores)
+            accepted, nxt = self.lockstep.share(accepted, nxt)
             _profile_sync(device)
             stats.draft_seconds += t_mid - t_step
             stats.verify_seconds += time.perf_counter() - t_mid
@@ -385,7 +433,7 @@ class _Engine:
                 stats.accepted_lengths[orig].append(n)
                 stats.row_gammas[orig].append(gamma)
             if controller is not None:
-                gamma = controller.update(int(accepted.sum()), gamma * int(accepted.numel()))
+                gamma = controller.update(*self.lockstep.pool(int(accepted.sum()), gamma * int(accepted.numel())))
             new_tokens = torch.cat([drafts, nxt[:, None]], dim=1)
             new_tokens.scatter_(1, accepted[:, None], nxt[:, None])  # [b, gamma+1]; first n+1 are real
             num_new = accepted + 1
@@ -394,7 +442,8 @@ class _Engine:
         stats.decode_seconds = time.perf_counter() - t_decode
         if config.gamma != 0:
             drafted = sum(sum(g) for g in stats.row_gammas)
-            auto.record_acceptance(self.model, config.draft, config.draft_budget,
+            drafter = self.drafter.model if self.drafter is not None else None
+            auto.record_acceptance(self.model, auto.draft_key(config.draft, drafter), config.draft_budget,
                                    sum(sum(a) for a in stats.accepted_lengths), drafted)
         if self.streamer is not None:
             self.streamer.end()
@@ -452,17 +501,14 @@ class _Engine:
         sampling, ``draft_probs [b, gamma, V]``."""
         if gamma == 0:
             return pending.new_empty((pending.shape[0], 0)), None
-        cache = self.cache
-        pad = cache.pad
-        base_valid = cache.draft_valid()  # [b, Ks + W]
-        ones = torch.ones((base_valid.shape[0], gamma), dtype=torch.bool, device=base_valid.device)
+        if self.drafter is None:
+            step = self._self_draft_step(gamma)
+        else:
+            step = self.drafter.start_round(rb, rows, seq_len_rows, gamma)
         tok = pending[:, None]
         drafts, probs = [], []
         for i in range(gamma):
-            cache.begin_draft(i)
-            mask = torch.cat([base_valid, ones[:, : i + 1]], dim=1)[:, None, None, :]
-            positions = (cache.lengths - pad + i)[:, None]
-            logits = self._forward(tok, positions, mask, logits_to_keep=1)[:, -1].float()
+            logits = step(i, tok)
             scores = rb.process(rows, seq_len_rows + i, logits[:, None])[:, 0]
             if self.do_sample:
                 p = torch.softmax(scores, dim=-1)
@@ -470,10 +516,25 @@ class _Engine:
                 probs.append(p)
             else:
                 d = scores.argmax(dim=-1)
+            d = self.lockstep.share(d)
             rb.tokens[rows, seq_len_rows + i] = d  # later draft steps' processors see it
             drafts.append(d)
             tok = d[:, None]
         return torch.stack(drafts, dim=1), (torch.stack(probs, dim=1) if probs else None)
+
+    def _self_draft_step(self, gamma: int):
+        """Draft step ``i`` of the model itself on its draft views: ``step(i, tok [b, 1]) -> [b, V]``."""
+        cache = self.cache
+        base_valid = cache.draft_valid()  # [b, Ks + W]
+        ones = torch.ones((base_valid.shape[0], gamma), dtype=torch.bool, device=base_valid.device)
+
+        def step(i: int, tok: torch.Tensor) -> torch.Tensor:
+            cache.begin_draft(i)
+            mask = torch.cat([base_valid, ones[:, : i + 1]], dim=1)[:, None, None, :]
+            positions = (cache.lengths - cache.pad + i)[:, None]
+            return self._forward(tok, positions, mask, logits_to_keep=1)[:, -1].float()
+
+        return step
 
     def _verify(self, pending, drafts):
         """One forward of ``[pending, d_1 … d_gamma]`` per row at its own offset; ``[b, gamma+1, V]``."""

@@ -28,8 +28,13 @@ class SpeculationStats:
         Draft view name.
     draft_budget : int
         Tokens per layer, row and KV head in the draft view (static + rolling window).
+    draft_model : str or None
+        The separate draft model that drafted (its name), or None for self-speculation.
     steps : int
         Verification forwards run (the batch shrinks as rows finish).
+    refreshes : int
+        Times the static part of the draft view was re-selected (``refresh_every`` /
+        ``refresh_below``; see :mod:`hf_magicdec.refresh`).
     plan : dict or None
         The planner's decision (:class:`hf_magicdec.costmodel.Plan` as a dict) when fields were
         left ``"auto"``.
@@ -42,6 +47,7 @@ class SpeculationStats:
     gamma: int = 0
     draft: str = ""
     draft_budget: int = 0
+    draft_model: str | None = None
     steps: int = 0
     prefill_seconds: float = 0.0
     decode_seconds: float = 0.0
@@ -51,6 +57,7 @@ class SpeculationStats:
     gamma_trace: list[int] = field(default_factory=list)
     adaptive_gamma: bool = False
     plan: dict | None = None
+    refreshes: int = 0
 
     def _drafted(self, row: int) -> int:
         if self.row_gammas and self.row_gammas[row]:
@@ -93,10 +100,12 @@ class SpeculationStats:
         return {
             "draft": self.draft,
             "draft_budget": self.draft_budget,
+            "draft_model": self.draft_model,
             "gamma": self.gamma,
             "adaptive_gamma": self.adaptive_gamma,
             "mean_gamma": round(self.mean_gamma, 3),
             "steps": self.steps,
+            "refreshes": self.refreshes,
             "acceptance_rate": round(self.acceptance_rate, 4),
             "tokens_per_step": round(self.tokens_per_step, 4),
             "accepted_histogram": self.histogram(),

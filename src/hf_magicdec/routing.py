@@ -21,7 +21,8 @@ from .config import MagicDecConfig
 from .validation import check_route_kwargs
 
 _original_generate = None
-_OPTION_NAMES = ("draft", "draft_budget", "gamma", "sink_tokens", "window", "recent_window", "pool_kernel")
+_OPTION_NAMES = ("draft", "draft_budget", "gamma", "sink_tokens", "window", "recent_window", "pool_kernel",
+                 "page_size", "refresh_every", "refresh_below")
 _OFF = (None, False, "", "none", "off")
 
 
@@ -92,6 +93,8 @@ def _route(model, original, signature, spec, args, kwargs):
         call["magicdec_streamer"] = call.pop("streamer")
     if call.get("synced_gpus") is not None:
         call["magicdec_synced_gpus"] = call.pop("synced_gpus")
+    if call.get("draft_model") is not None:
+        call["magicdec_draft_model"] = call.pop("draft_model")
     # HF drops `tokenizer` before a custom callable sees it and then fails on stop strings;
     # take both over and let the engine build the criterion.
     stop_strings = call.pop("stop_strings", None)

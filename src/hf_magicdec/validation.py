@@ -82,7 +82,10 @@ def check_model_kwargs(model_kwargs: dict[str, Any]) -> dict[str, Any]:
 def check_route_kwargs(kwargs: dict[str, Any]) -> None:
     """Checks on raw ``generate`` kwargs that HF would drop before the engine sees them."""
     if kwargs.get("assistant_model") is not None:
-        raise ValueError("speculative='magicdec' drafts with the model itself: do not pass assistant_model.")
+        raise ValueError(
+            "speculative='magicdec' does not take assistant_model: it drafts with the model itself, or with a separate "
+            "small model passed as draft_model= (any batch size)."
+        )
     if kwargs.get("prompt_lookup_num_tokens"):
         raise ValueError(
             f"speculative='magicdec' cannot be combined with {kwargs['prompt_lookup_num_tokens']=} (prompt lookup)."

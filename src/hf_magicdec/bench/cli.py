@@ -45,6 +45,13 @@ def build_parser(prog: str = "hf-magicdec bench") -> argparse.ArgumentParser:
                     help="let rows stop at EOS (default: every row decodes exactly --new-tokens, as the reference)")
     ap.add_argument("--assistant", default=None,
                     help="also run HF assisted generation at batch 1 with this draft model (same tokenizer)")
+    ap.add_argument("--draft-model", default=None,
+                    help="also run MagicDec with this separate small draft model (same tokenizer), any batch size")
+    ap.add_argument("--draft-model-view", nargs="+", default=["full"],
+                    help="view(s) compressing the draft model's cache: full streamingllm snapkv (budgets: --budget)")
+    ap.add_argument("--share-prefill", action="store_true",
+                    help="prefill once per point for every MagicDec run (decode times unchanged; their prefill "
+                         "times are then not measured): long contexts on slow devices")
     ap.add_argument("--prefill-chunk", type=int, default=None,
                     help="prefill chunk size for every method (default: stock prefills at once, MagicDec in 1024s)")
     ap.add_argument("--ruler", nargs="+", default=None, metavar="TASK",
@@ -72,7 +79,8 @@ def main(argv: list[str] | None = None, prog: str = "hf-magicdec bench") -> int:
             budgets=tuple(args.budget), gammas=tuple(args.gamma), text=args.text, repeats=args.repeats,
             warmup=not args.no_warmup, own_ar=not args.no_own_ar, static_baseline=args.static_baseline,
             stop_at_eos=args.stop_at_eos,
-            assistant=args.assistant, prefill_chunk=args.prefill_chunk,
+            assistant=args.assistant, prefill_chunk=args.prefill_chunk, draft_model=args.draft_model,
+            draft_model_views=tuple(args.draft_model_view), share_prefill=args.share_prefill,
         )
     except ValueError as exc:
         ap.error(str(exc))

@@ -16,16 +16,21 @@ def _fmt(value, spec: str, suffix: str = "") -> str:
     return "-" if value is None else format(value, spec) + suffix
 
 
+def _label_width(results) -> int:
+    return max([32, *(len(r.label) + 2 for r in results)])
+
+
 def table(results: list[Result]) -> str:
     """The main table: one line per method and (batch, context) point."""
-    head = (f"{'B':>3} {'ctx':>6}  {'method':<32}{'prefill s':>10}{'decode s':>10}{'tok/s':>9}{'ms/tok':>8}"
+    w = _label_width(results)
+    head = (f"{'B':>3} {'ctx':>6}  {'method':<{w}}{'prefill s':>10}{'decode s':>10}{'tok/s':>9}{'ms/tok':>8}"
             f"{'vs stock':>9}{'vs AR':>7}{'accept':>8}{'tok/step':>9}{'peak MB':>9}{'GB/s':>7}  identical")
     lines = [head, "-" * len(head)]
     for r in results:
         d = r.to_dict()
         ident = "(baseline)" if r.identical is None else ("yes" if r.identical else "NO")
         lines.append(
-            f"{r.batch:>3} {r.context:>6}  {r.label:<32}{r.m.prefill_s:>10.2f}{r.m.decode_s:>10.2f}"
+            f"{r.batch:>3} {r.context:>6}  {r.label:<{w}}{r.m.prefill_s:>10.2f}{r.m.decode_s:>10.2f}"
             f"{r.decode_tok_per_s:>9.1f}{r.ms_per_token:>8.1f}{_fmt(r.speedup_vs_stock, '.2f', 'x'):>9}"
             f"{_fmt(r.speedup_vs_ar, '.2f', 'x'):>7}{_fmt(d.get('acceptance_rate'), '.3f'):>8}"
             f"{_fmt(d.get('tokens_per_step'), '.2f'):>9}{_fmt(d['peak_memory_mb'], '.0f'):>9}"
@@ -39,13 +44,14 @@ def breakdown_table(results: list[Result]) -> str:
     rows = [r for r in results if r.breakdown()]
     if not rows:
         return ""
-    head = (f"{'B':>3} {'ctx':>6}  {'method':<32}{'steps':>6}{'draft ms':>10}{'verify ms':>10}{'other ms':>10}"
+    w = _label_width(rows)
+    head = (f"{'B':>3} {'ctx':>6}  {'method':<{w}}{'steps':>6}{'draft ms':>10}{'verify ms':>10}{'other ms':>10}"
             f"{'mean acc':>9}  {'histogram (accepted 0..γ)':<28}{'predicted':>10}{'vs AR':>8}")
     lines = ["per verification step:", head, "-" * len(head)]
     for r in rows:
         b, d = r.breakdown(), r.to_dict()
         lines.append(
-            f"{r.batch:>3} {r.context:>6}  {r.label:<32}{b['steps']:>6}{b['draft_ms_per_step']:>10.1f}"
+            f"{r.batch:>3} {r.context:>6}  {r.label:<{w}}{b['steps']:>6}{b['draft_ms_per_step']:>10.1f}"
             f"{b['verify_ms_per_step']:>10.1f}{b['other_ms_per_step']:>10.1f}{_fmt(d.get('mean_accepted'), '.2f'):>9}  "
             f"{str(d.get('accepted_histogram', '-')):<28}{_fmt(r.predicted_speedup, '.2f', 'x'):>10}"
             f"{_fmt(r.speedup_vs_ar, '.2f', 'x'):>8}"

@@ -10,13 +10,15 @@ output is compared token for token with the baseline.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Callable
 
 import torch
 
 from ..config import AUTO, DEFAULT_BUDGET, DEFAULT_DRAFT, MagicDecConfig
+from ..generation import shared_prefill
 from .harness import Measurement, environment, measure
 
 log = logging.getLogger("hf_magicdec")
@@ -44,6 +46,13 @@ class BenchSpec:
     static_baseline: bool = False  # also stock generate with cache_implementation="static"
     stop_at_eos: bool = False
     assistant: str | None = None
+    # A separate small draft model (same tokenizer) and the views compressing its cache; its runs
+    # sit beside the self-speculative ones as method "magicdec", labelled "draft-model …".
+    draft_model: str | None = None
+    draft_model_views: tuple[str, ...] = ("full",)
+    # Prefill the target once per point for all MagicDec runs (generation.shared_prefill): decode
+    # times are unchanged, their prefill times are then not measured (long contexts on CPU).
+    share_prefill: bool = False
     prefill_chunk: int | None = None  # passed to every method as generation_config.prefill_chunk_size
 
     def __post_init__(self) -> None:
@@ -60,10 +69,20 @@ class BenchSpec:
             raise ValueError(f"prefill_chunk must be >= 1, got {self.prefill_chunk=}")
         if self.repeats < 1:
             raise ValueError(f"repeats must be >= 1, got {self.repeats=}")
-        for draft in self.drafts:
+        for draft in (*self.drafts, *(self.draft_model_views if self.draft_model else ())):
             for budget in self.budgets:
                 for gamma in self.gammas:
                     MagicDecConfig(draft=draft, draft_budget=budget, gamma=gamma)  # names the bad value
+
+    def draft_model_configs(self, context: int) -> list[MagicDecConfig]:
+        """Configurations run with the separate draft model (its full view: one budget suffices)."""
+        if not self.draft_model:
+            return []
+        out = []
+        for view in self.draft_model_views:
+            budgets = self.budgets[:1] if view == "full" else [k for k in self.budgets if k == AUTO or k < context]
+            out.extend(MagicDecConfig(draft=view, draft_budget=k, gamma=g) for k in budgets for g in self.gammas)
+        return out
 
     def configs(self, context: int) -> list[MagicDecConfig]:
         """MagicDec configurations worth running at ``context`` (a budget >= context compresses nothing)."""
@@ -190,7 +209,7 @@ def _bytes_read(info: ModelInfo, result: Result) -> float:
     if result.config is None or result.config.gamma == 0:
         kv_tokens = b * sum(p + t for t in range(1, n))
         return steps * info.weight_bytes + kv_tokens * info.kv_bytes_per_token
-    s, cfg = result.m.speculation, result.config
+    s = result.m.speculation
     if s is None or not s.steps:  # the planner chose plain decoding
         kv_tokens = b * sum(p + t for t in range(1, n))
         return steps * info.weight_bytes + kv_tokens * info.kv_bytes_per_token
@@ -258,6 +277,7 @@ def run(spec: BenchSpec, progress: bool = True, on_result: Callable[[Result], No
     log.warning("loading %s (%s) on %s …", spec.model, spec.dtype, device)
     model, tokenizer = load_model(spec.model, spec.dtype, device)
     assistant = load_model(spec.assistant, spec.dtype, device)[0] if spec.assistant else None
+    small = load_model(spec.draft_model, spec.dtype, device)[0] if spec.draft_model else None
     info = ModelInfo.of(model)
     env = env if env is not None else environment(device)
     extra = {} if spec.stop_at_eos else {"eos_token_id": None}
@@ -272,18 +292,28 @@ def run(spec: BenchSpec, progress: bool = True, on_result: Callable[[Result], No
 
     points = [(b, c) for c in spec.contexts for b in spec.batches]
     configs = {c: spec.configs(c) for c in spec.contexts}
+    if spec.share_prefill:
+        # One target prefill per point serves every run when the first one records the largest
+        # observation window (SnapKV's); own AR then runs last.
+        from ..views import get_view
+
+        for c in configs:
+            configs[c].sort(key=lambda cfg: -get_view(cfg.draft).observation_window(cfg)
+                            if cfg.draft != AUTO else 0)
+    small_configs = {c: spec.draft_model_configs(c) for c in spec.contexts}
     per_point = 1 + int(spec.own_ar) + int(spec.static_baseline) + (2 if assistant else 0)
-    n_runs = sum(per_point + len(configs[c]) for _, c in points)
+    n_runs = sum(per_point + len(configs[c]) + len(small_configs[c]) for _, c in points)
     outer = tqdm(total=n_runs, desc="bench", unit="run", disable=not progress) if tqdm else None
     results: list[Result] = []
     warmed: set[tuple] = set()
+    held: list[Result] | None = None  # rows waiting for own AR (shared prefill: it runs last)
 
     def token_bar(label, total):
         if not (progress and tqdm):
             return None
         return lambda: tqdm(total=total, desc=f"  {label}", unit="tok", leave=False)
 
-    def one(method, label, ids, run_fn, config=None, baseline=None):
+    def one(method, label, ids, run_fn, config=None, baseline=None, estimate=True):
         if outer is not None:
             outer.set_postfix_str(f"B={ids.shape[0]} S={ids.shape[1]} {label}")
         key = (method, label, ids.shape[0])
@@ -295,13 +325,15 @@ def run(spec: BenchSpec, progress: bool = True, on_result: Callable[[Result], No
         m = measure(lambda clock: run_fn(clock, ids, spec.new_tokens), spec.repeats, device,
                     token_bar(label, spec.new_tokens))
         res = Result(method, label, ids.shape[0], ids.shape[1], spec.new_tokens, m, config)
+        if spec.share_prefill and method in ("own-ar", "magicdec"):
+            res.extra["prefill_shared"] = True  # its prefill_s timed a copy of the shared cache
         if baseline is not None:
             res.identical = bool(torch.equal(m.sequences, baseline))
             if not res.identical:
                 log.error("%s output differs from stock generate at B=%d S=%d", label, res.batch, res.context)
-        if method != "assisted":  # the draft model's reads are not in this estimate
+        if method != "assisted" and estimate:  # a separate draft model's reads are not in this estimate
             res.bytes_read = _bytes_read(info, res)
-        if method == "magicdec":
+        if method == "magicdec" and estimate:
             try:
                 _predict(model, res)
             except Exception as exc:  # a prediction must never cost a measurement
@@ -319,9 +351,17 @@ def run(spec: BenchSpec, progress: bool = True, on_result: Callable[[Result], No
             res.speedup_vs_ar = ar.m.decode_s / res.m.decode_s
         elif method == "own-ar":
             res.speedup_vs_ar = 1.0
+            for r in same:  # with a shared prefill own AR runs last: fill in the rows held back
+                if r.method == "magicdec":
+                    r.speedup_vs_ar = res.m.decode_s / r.m.decode_s
         results.append(res)
-        if on_result is not None:
-            on_result(res)
+        if held is not None and method != "own-ar":
+            held.append(res)  # written once own AR has run
+        elif on_result is not None:
+            for r in (held or []) + [res]:
+                on_result(r)
+            if held:
+                held.clear()
         if outer is not None:
             outer.update(1)
         return res
@@ -334,16 +374,32 @@ def run(spec: BenchSpec, progress: bool = True, on_result: Callable[[Result], No
             if spec.static_baseline:
                 one("stock-static", "stock generate, static cache", ids,
                     lambda clock, x, n: generate(x, n, clock, cache_implementation="static"), None, base)
-            if spec.own_ar:
-                cfg = MagicDecConfig(draft=DEFAULT_DRAFT, draft_budget=DEFAULT_BUDGET, gamma=0)
+            own_ar = MagicDecConfig(draft=DEFAULT_DRAFT, draft_budget=DEFAULT_BUDGET, gamma=0)
+
+            def run_own_ar():
                 one("own-ar", "own AR (gamma=0)", ids,
-                    lambda clock, x, n, c=cfg: generate(x, n, clock, speculative=c, return_dict_in_generate=True),
-                    cfg, base)
-            for cfg in configs[context]:
-                label = f"magicdec {cfg.draft}/{cfg.draft_budget} γ={cfg.gamma}".replace("auto/auto", "auto")
-                one("magicdec", label, ids,
-                    lambda clock, x, n, c=cfg: generate(x, n, clock, speculative=c, return_dict_in_generate=True),
-                    cfg, base)
+                    lambda clock, x, n, c=own_ar: generate(x, n, clock, speculative=c, return_dict_in_generate=True),
+                    own_ar, base)
+
+            held = [] if spec.share_prefill and spec.own_ar else None
+            with shared_prefill() if spec.share_prefill else contextlib.nullcontext():
+                if spec.own_ar and not spec.share_prefill:
+                    run_own_ar()
+                for cfg in configs[context]:
+                    label = f"magicdec {cfg.draft}/{cfg.draft_budget} γ={cfg.gamma}".replace("auto/auto", "auto")
+                    one("magicdec", label, ids,
+                        lambda clock, x, n, c=cfg: generate(x, n, clock, speculative=c, return_dict_in_generate=True),
+                        cfg, base)
+                for cfg in small_configs[context]:
+                    budget = "" if cfg.draft == "full" else f"/{cfg.draft_budget}"
+                    label = f"draft-model {spec.draft_model} {cfg.draft}{budget} γ={cfg.gamma}"
+                    one("magicdec", label, ids,
+                        lambda clock, x, n, c=cfg: generate(x, n, clock, speculative=c, draft_model=small,
+                                                            return_dict_in_generate=True),
+                        cfg, base, estimate=False)
+                if spec.own_ar and spec.share_prefill:
+                    run_own_ar()
+            held = None
             if assistant is not None:
                 ids1 = ids[:1]
                 s1 = one("stock-b1", "stock generate (batch 1)", ids1, lambda clock, x, n: generate(x, n, clock))

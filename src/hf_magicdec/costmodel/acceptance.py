@@ -11,11 +11,17 @@ from __future__ import annotations
 import math
 from typing import Any, Mapping
 
-__all__ = ["default_acceptance", "resolve_acceptance", "BASE_ACCEPTANCE"]
+__all__ = ["default_acceptance", "resolve_acceptance", "BASE_ACCEPTANCE", "DRAFT_MODEL_ACCEPTANCE",
+           "DRAFT_MODEL_PREFIX"]
 
 #: α at a budget of 256 tokens or more and a context of 4K tokens or less.
 BASE_ACCEPTANCE = {"streamingllm": 0.80, "snapkv": 0.85}
 _OTHER = 0.80  # views without their own prior (user-registered ones)
+#: α of a separate small draft model with its full cache (``draft="model:full"``): a prior for a
+#: same-family model 3-10x smaller (Qwen2.5-Coder-0.5B for 1.5B measured 0.60-0.75 on CPU, see
+#: docs/benchmarks.md). A compressed draft-model view scales it by the view's own prior / 0.99.
+DRAFT_MODEL_ACCEPTANCE = 0.70
+DRAFT_MODEL_PREFIX = "model:"
 _REF_BUDGET = 256
 _REF_CONTEXT = 4096
 _PER_BUDGET_HALVING = 0.05
@@ -33,7 +39,8 @@ def default_acceptance(draft: str, budget: int, context: float) -> float:
     StreamingLLM at the same budget in MagicDec §4) and 0.80 for other views; ``K`` is the
     budget and ``S`` the context. So α is flat for budgets ≥ 256, loses 0.05 per halving below,
     and falls slowly with context. A view that holds the whole context (``K ≥ S``) or the
-    ``full`` sanity view sees everything: 0.99.
+    ``full`` sanity view sees everything: 0.99. A separate draft model (``draft="model:<view>"``)
+    gets ``DRAFT_MODEL_ACCEPTANCE`` (0.70) times its view's prior / 0.99.
 
     Parameters
     ----------
@@ -58,6 +65,9 @@ def default_acceptance(draft: str, budget: int, context: float) -> float:
         raise ValueError(f"budget must be > 0, got {budget=!r}.")
     if not context > 0:
         raise ValueError(f"context must be > 0, got {context=!r}.")
+    if draft.startswith(DRAFT_MODEL_PREFIX):
+        view = draft[len(DRAFT_MODEL_PREFIX):]
+        return DRAFT_MODEL_ACCEPTANCE * default_acceptance(view, budget, context) / _CEIL
     if draft == "full" or budget >= context:
         return _CEIL
     alpha = BASE_ACCEPTANCE.get(draft, _OTHER)

@@ -13,7 +13,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, Iterable
 
-from ..config import DEFAULT_SINK_TOKENS, DEFAULT_WINDOW, MAX_GAMMA
+from ..config import DEFAULT_PAGE_SIZE, DEFAULT_SINK_TOKENS, DEFAULT_WINDOW, MAX_GAMMA
 from ._checks import check_int
 from .acceptance import AcceptanceLike
 from .hardware import HardwareSpec, get_hardware
@@ -44,6 +44,9 @@ def valid_candidate(draft: str, budget: int, gamma: int) -> bool:
     if draft == "snapkv":
         window = max(DEFAULT_WINDOW, budget // 4)
         return budget > window and window >= gamma + 1
+    if draft == "dynamic":  # sinks + at least one page + a window of >= budget // 4 (views/dynamic.py)
+        pages = (budget - DEFAULT_SINK_TOKENS - budget // 4) // DEFAULT_PAGE_SIZE
+        return pages >= 1 and budget - DEFAULT_SINK_TOKENS - pages * DEFAULT_PAGE_SIZE >= gamma + 1
     return True  # other views: MagicDecConfig will say
 
 
@@ -71,6 +74,8 @@ class Plan:
         The best γ of each other (draft, budget), best first (at most 5).
     batch_size, prompt_len, new_tokens, context :
         The workload; ``context`` is the mean context used, tokens.
+    draft_model : str or None
+        Name of the separate draft model the best candidate drafts with (None: self-speculation).
     model, hardware : str
         Names of the model spec and the device (``"... (calibrated)"`` when calibrated, ``" xN"`` with
         N-way tensor parallelism).
@@ -96,6 +101,7 @@ class Plan:
     model: str
     hardware: str
     reason: str
+    draft_model: str | None = None
 
     def config_kwargs(self) -> dict[str, Any]:
         """``MagicDecConfig`` keyword arguments of the best candidate.
@@ -133,7 +139,8 @@ class Plan:
             return "\n".join(lines)
         verdict = "speculate" if self.speculate else "plain decoding"
         lines.append(f"{verdict}: {self.reason}")
-        lines.append(f"best: draft={self.draft} budget={self.draft_budget} gamma={self.gamma}  "
+        drafter = f" on draft model {self.draft_model}" if self.draft_model else ""
+        lines.append(f"best: draft={self.draft}{drafter} budget={self.draft_budget} gamma={self.gamma}  "
                      f"alpha={self.acceptance:.3f}  tokens/step={self.tokens_per_step:.2f}  "
                      f"predicted speedup {self.predicted_speedup:.2f}x")
         lines.append(f"steps: T_T={self.t_target * 1e3:.3f} ms  T_D={self.t_draft * 1e3:.3f} ms "
@@ -142,7 +149,8 @@ class Plan:
         if self.runner_ups:
             lines.append("runner-ups:")
             for e in self.runner_ups:
-                lines.append(f"  {e.draft:<13} budget {e.draft_budget:<5} gamma {e.gamma}  alpha {e.acceptance:.3f}  "
+                name = e.draft if e.draft_model is None else f"{e.draft} ({e.draft_model})"
+                lines.append(f"  {name:<13} budget {e.draft_budget:<5} gamma {e.gamma}  alpha {e.acceptance:.3f}  "
                              f"speedup {e.speedup:.2f}x")
         return "\n".join(lines)
 
@@ -180,6 +188,9 @@ def plan(
     calibration: Any = None,
     tp: int = 1,
     min_speedup: float = 1.0,
+    draft_model: Any = None,
+    draft_model_drafts: Iterable[str] = ("full", "streamingllm", "snapkv"),
+    self_speculation: bool = True,
 ) -> Plan:
     """Choose draft view, budget and γ for a workload, or plain decoding.
 
@@ -209,6 +220,13 @@ def plan(
         Tensor-parallel degree.
     min_speedup : float
         Speculate only when the best predicted speedup reaches this (1.0: any gain).
+    draft_model : PreTrainedModel, config, dict or ModelSpec, optional
+        A separate small draft model: its candidates (each view in ``draft_model_drafts``
+        compressing *its* cache; ``"full"`` keeps all of it) compete with self-speculation.
+    draft_model_drafts : iterable of str
+        Views considered for the draft model's cache.
+    self_speculation : bool
+        Whether self-speculation candidates compete too.
 
     Returns
     -------
@@ -249,8 +267,21 @@ def plan(
     estimates = [
         estimate(spec, hw, batch=batch_size, context=s, draft=d, budget=k, gamma=g, acceptance=acceptance,
                  t_target=tt)
-        for d in drafts for k in budgets if k < prompt_len for g in gammas if valid_candidate(d, k, g)
+        for d in drafts if self_speculation and d != "full" for k in budgets if k < prompt_len
+        for g in gammas if valid_candidate(d, k, g)
     ]
+    if draft_model is not None:
+        dspec = _model_spec(draft_model, dtype)
+        for d in draft_model_drafts:
+            if d not in drafts and drafts != DEFAULT_DRAFTS:
+                continue  # the user fixed the view
+            # The full view holds the whole context: its "budget" is the context.
+            view_budgets = (s,) if d == "full" else tuple(k for k in budgets if k < prompt_len)
+            estimates += [
+                estimate(spec, hw, batch=batch_size, context=s, draft=d, budget=k, gamma=g, acceptance=acceptance,
+                         t_target=tt, draft_model=dspec)
+                for k in view_budgets for g in gammas if d == "full" or valid_candidate(d, k, g)
+            ]
     if not estimates:
         return Plan(False, None, None, None, 1.0, None, None, tt, None, None, (),
                     reason=f"no candidate: every budget in {budgets} is >= prompt_len={prompt_len} "
@@ -260,11 +291,11 @@ def plan(
     best = estimates[0]
     # Runner-ups: the best gamma of each other (draft, budget), so the list shows alternatives
     # rather than the winner's neighbouring gammas.
-    seen = {(best.draft, best.draft_budget)}
+    seen = {(best.draft, best.draft_budget, best.draft_model)}
     runner_ups = []
     for e in estimates[1:]:
-        if (e.draft, e.draft_budget) not in seen:
-            seen.add((e.draft, e.draft_budget))
+        if (e.draft, e.draft_budget, e.draft_model) not in seen:
+            seen.add((e.draft, e.draft_budget, e.draft_model))
             runner_ups.append(e)
     speculate = best.speedup >= min_speedup
     if speculate:
@@ -272,5 +303,6 @@ def plan(
     else:
         reason = (f"best predicted speedup {best.speedup:.2f}x < {min_speedup:g}x: verification or drafting "
                   "costs more than the accepted tokens save at this batch and context")
+    common["draft_model"] = best.draft_model
     return Plan(speculate, best.draft, best.draft_budget, best.gamma, best.speedup, best.acceptance, best.omega,
                 tt, best.t_draft, best.t_verify, tuple(runner_ups[:_RUNNER_UPS]), reason=reason, **common)

@@ -16,10 +16,11 @@ from dataclasses import dataclass
 from typing import Iterable
 
 from ._checks import check_int
-from .acceptance import AcceptanceLike, resolve_acceptance
+from .acceptance import DRAFT_MODEL_PREFIX, AcceptanceLike, resolve_acceptance
 from .hardware import HardwareSpec
 from .modelspec import ModelSpec
 from .roofline import draft_steps, target_step, verify_step
+from .selection import selection_seconds
 
 __all__ = ["omega", "speedup", "Estimate", "estimate", "critical_length"]
 
@@ -121,10 +122,12 @@ class Estimate:
     t_draft: float
     t_verify: float
     speedup: float
+    draft_model: str | None = None  # name of a separate draft model's spec; None: self-speculation
 
 
 def estimate(model: ModelSpec, hardware: HardwareSpec, *, batch: int, context: int, draft: str, budget: int,
-             gamma: int, acceptance: AcceptanceLike = None, t_target: float | None = None) -> Estimate:
+             gamma: int, acceptance: AcceptanceLike = None, t_target: float | None = None,
+             draft_model: ModelSpec | None = None) -> Estimate:
     """Predict the speedup of one candidate at one operating point.
 
     Parameters
@@ -144,17 +147,23 @@ def estimate(model: ModelSpec, hardware: HardwareSpec, *, batch: int, context: i
     acceptance : see :func:`~hf_magicdec.costmodel.acceptance.resolve_acceptance`
     t_target : float, optional
         Precomputed T_T (it does not depend on the candidate).
+    draft_model : ModelSpec, optional
+        A separate draft model: its forwards are the draft steps (its weights plus ``budget``
+        tokens of its own KV), and α is looked up as ``"model:<draft>"``.
 
     Returns
     -------
     Estimate
     """
-    alpha = resolve_acceptance(acceptance, draft, budget, context)
+    name = draft if draft_model is None else DRAFT_MODEL_PREFIX + draft
+    alpha = resolve_acceptance(acceptance, name, budget, context)
     tt = target_step(model, hardware, batch, context).seconds if t_target is None else t_target
-    td_total = draft_steps(model, hardware, batch, context, budget, gamma)
+    td_total = draft_steps(model if draft_model is None else draft_model, hardware, batch, context, budget, gamma)
+    td_total += gamma * selection_seconds(model if draft_model is None else draft_model, hardware, batch, context,
+                                          budget, draft)  # query-aware views (dynamic) re-select every step
     tv = verify_step(model, hardware, batch, context, gamma).seconds
     return Estimate(draft, budget, gamma, alpha, omega(gamma, alpha), tt, td_total / gamma, tv,
-                    speedup(gamma, alpha, tt, td_total, tv))
+                    speedup(gamma, alpha, tt, td_total, tv), None if draft_model is None else draft_model.name)
 
 
 def _best(model, hardware, batch, context, draft, budget, gammas, acceptance) -> float:

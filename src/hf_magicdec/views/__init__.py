@@ -6,6 +6,7 @@ Add a policy by subclassing :class:`DraftView` and calling :func:`register_view`
 from __future__ import annotations
 
 from .base import DraftView, ScoreContext
+from .dynamic import DynamicView
 from .full import FullView
 from .snapkv import SnapKVView, snapkv_scores
 from .streamingllm import StreamingLLMView
@@ -34,11 +35,12 @@ def available_views() -> tuple[str, ...]:
     return tuple(_VIEWS)
 
 
-for _view in (StreamingLLMView(), SnapKVView(), FullView()):
+for _view in (StreamingLLMView(), SnapKVView(), FullView(), DynamicView()):
     register_view(_view)
 
 __all__ = [
     "DraftView",
+    "DynamicView",
     "FullView",
     "ScoreContext",
     "SnapKVView",

@@ -54,6 +54,8 @@ class DraftView:
     """Base class of draft views. Subclasses set :attr:`name` and implement :meth:`score`."""
 
     name: ClassVar[str] = ""
+    #: True for views that re-select their static part from each draft step's query (:meth:`refill`).
+    query_aware: ClassVar[bool] = False
 
     def check_config(self, config: "MagicDecConfig") -> None:
         """Raise ``ValueError`` if ``config`` cannot describe this view."""
@@ -86,3 +88,11 @@ class DraftView:
             (excluding padding and the tokens already in the rolling window) are kept.
         """
         raise NotImplementedError
+
+    def prepare(self, cache, config: "MagicDecConfig", prompt_slots: int) -> None:
+        """Called once after the views are built: precompute what :meth:`refill` needs (per-row
+        tensors go in ``cache.row_state``, which follows ``select_rows``). Default: nothing."""
+
+    def refill(self, cache, layer_idx: int, query: torch.Tensor, scaling: float | None) -> None:
+        """Query-aware views only: rewrite layer ``layer_idx``'s static part from the draft step's
+        ``query`` (``[B, H, 1, D]``), called by the attention function before the draft attention."""

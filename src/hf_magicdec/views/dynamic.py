@@ -1,0 +1,232 @@
+"""Query-aware dynamic draft view, in the spirit of Quest (Tang et al., 2024, arXiv 2406.10774).
+
+The static part of the view is re-chosen at **every draft step, in every layer**, from that
+step's query, instead of once after prefill::
+
+    [ sinks (sink_tokens) | top pages (n_pages · page_size) | rolling recent window ]
+
+* **Page summaries** are built once after prefill: the prompt's candidate tokens (those neither
+  sinks nor in the initial rolling window) are cut into pages of ``P = page_size`` tokens per row
+  and KV head, and each page keeps the elementwise ``min`` and ``max`` of its keys. Pages start at
+  each row's first candidate token (``pad[b] + sink_tokens``), so no page ever mixes left padding
+  with tokens; a row's last page may be partial.
+* **Selection** (:meth:`DynamicView.refill`, called by the attention function before each
+  draft attention): Quest's upper bound of the attention logit of query ``q`` on any key of a
+  page, ``Σ_d max(q_d·min_d, q_d·max_d)``, summed over the query heads that share the KV head;
+  the best pages fill the ``n_pages · P`` page slots (in score order, a partial page counting for
+  its real tokens only, so the last slots may take the first tokens of the next best page); the
+  selected tokens' *target* KV is gathered from the full cache into the static part.
+* The sinks and the rolling window behave as in the other views: the window starts with the
+  last prompt tokens and then receives every committed token's target KV.
+* Rows whose prompt fits the budget (at most ``draft_budget`` real tokens) keep their whole
+  prompt and are never re-selected.
+
+Cost, per draft step, layer, row and KV head: reading the summaries, ``2·D`` values per page,
+i.e. ``2/P`` of the prompt's keys (``1/P`` of its KV), two ``[g, D] × [D, S/P]`` products, a
+top-k over ``S/P`` pages, and gathering ``n_pages · P`` tokens of K and V from the full cache
+(the budget). Memory: the summaries, ``2/P`` of the prompt's keys. So selection stays bounded at
+``≈ S/P + budget`` tokens' worth of reads, against ``S`` for a full-cache step; at ``P = 16``
+and long prompts the summaries dominate, and a larger ``page_size`` trades selection
+granularity for speed (``hf_magicdec.costmodel`` charges the same).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from .base import DraftView, ScoreContext
+
+if TYPE_CHECKING:
+    from ..cache import MagicDecCache
+    from ..config import MagicDecConfig
+
+# Keys of the per-row tensors this view keeps in ``MagicDecCache.row_state`` (they follow
+# ``select_rows``). ``layer = -1``: shared by all layers.
+_SELECTING = ("dynamic.selecting", -1)  # [B] bool: the row's prompt exceeds the budget
+_START = ("dynamic.page_start", -1)  # [B, pages] first slot of each page
+_SIZE = ("dynamic.page_size", -1)  # [B, pages] real tokens of each page (0: not a candidate)
+
+
+def _kmin(layer: int):
+    return ("dynamic.kmin", layer)  # [B, Hkv, pages, D]
+
+
+def _kmax(layer: int):
+    return ("dynamic.kmax", layer)  # [B, Hkv, pages, D]
+
+
+def page_summaries(keys: torch.Tensor, first: torch.Tensor, span: torch.Tensor, page_size: int):
+    """Elementwise key min / max of each page of candidate tokens.
+
+    Parameters
+    ----------
+    keys : ``[B, Hkv, S, D]`` keys of the cache (at least the prompt slots).
+    first : ``[B]`` first candidate slot of each row (pages start there).
+    span : ``[B]`` candidate tokens of each row (0: no pages).
+    page_size : tokens per page ``P``.
+
+    Returns
+    -------
+    ``(kmin, kmax, page_start, page_tokens)``: ``[B, Hkv, N, D]`` twice (zeros for empty pages),
+    ``[B, N]`` first slot of each page and ``[B, N]`` real tokens in each page, where
+    ``N = ceil(max(span) / P)``.
+    """
+    batch, kv_heads, slots, head_dim = keys.shape
+    dev = keys.device
+    first, span = first.to(dev), span.to(dev)
+    n_pages = -(-int(span.max()) // page_size) if span.numel() else 0
+    page = torch.arange(n_pages, device=dev)
+    page_start = first[:, None] + page * page_size  # [B, N]
+    page_tokens = (span[:, None] - page * page_size).clamp(min=0, max=page_size)  # [B, N]
+    j = torch.arange(n_pages * page_size, device=dev)
+    slot = (first[:, None] + j).clamp(max=max(slots - 1, 0))  # [B, N*P]
+    real = (j[None, :] < span[:, None]).view(batch, 1, n_pages, page_size, 1)
+    picked = torch.gather(keys, 2, slot[:, None, :, None].expand(-1, kv_heads, -1, head_dim))
+    picked = picked.view(batch, kv_heads, n_pages, page_size, head_dim)
+    kmin = picked.masked_fill(~real, float("inf")).amin(dim=3)
+    kmax = picked.masked_fill(~real, float("-inf")).amax(dim=3)
+    empty = (page_tokens == 0)[:, None, :, None]
+    return kmin.masked_fill(empty, 0), kmax.masked_fill(empty, 0), page_start, page_tokens
+
+
+def page_scores(query: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor) -> torch.Tensor:
+    """Quest's upper bound ``Σ_d max(q_d·min_d, q_d·max_d)``, summed over the query heads (and
+    query tokens) that share a KV head.
+
+    Parameters
+    ----------
+    query : ``[B, H, q, D]`` with ``H % Hkv == 0`` (query head ``h`` serves KV head ``h // g``).
+    kmin, kmax : ``[B, Hkv, N, D]`` page summaries.
+
+    Returns
+    -------
+    ``[B, Hkv, N]`` float32.
+    """
+    batch, heads, q_len, head_dim = query.shape
+    kv_heads = kmin.shape[1]
+    folded = query.reshape(batch, kv_heads, (heads // kv_heads) * q_len, head_dim).to(kmin.dtype)
+    positive = folded.clamp(min=0)
+    # max(q·lo, q·hi) per dimension = q⁺·hi + q⁻·lo: two matmuls, no [.., N, D] temporary.
+    bound = positive @ kmax.transpose(-1, -2) + (folded - positive) @ kmin.transpose(-1, -2)  # [B, Hkv, g*q, N]
+    return bound.float().sum(dim=2)
+
+
+def select_page_slots(scores: torch.Tensor, page_start: torch.Tensor, page_tokens: torch.Tensor,
+                      slots: int, page_size: int) -> torch.Tensor:
+    """Cache slots filling ``slots`` static slots with the best pages.
+
+    Pages are taken in score order; a page counts for its real tokens only, so when the best
+    pages include a partial page the last slots hold the first tokens of the next best page.
+    Pages with no real tokens are never taken.
+
+    Parameters
+    ----------
+    scores : ``[B, Hkv, N]`` page scores.
+    page_start, page_tokens : ``[B, N]`` first slot and real tokens of each page.
+    slots : static slots to fill (``n_pages · P``).
+    page_size : ``P``.
+
+    Returns
+    -------
+    ``[B, Hkv, slots]`` cache slots in increasing order. Meaningful only for rows with at least
+    ``slots`` candidate tokens; others hold arbitrary (in-range for the candidate pages) slots.
+    """
+    batch, kv_heads, n_pages = scores.shape
+    size = page_tokens[:, None, :].expand(-1, kv_heads, -1)
+    scores = scores.masked_fill(size == 0, float("-inf"))
+    k = min(n_pages, -(-slots // page_size) + 1)  # enough pages even if one is partial
+    top = torch.topk(scores, k, dim=-1, sorted=True).indices  # [B, Hkv, k]
+    top_size = size.gather(2, top)
+    end = top_size.cumsum(-1)  # [B, Hkv, k]
+    t = torch.arange(slots, device=scores.device).expand(batch, kv_heads, slots).contiguous()
+    which = torch.searchsorted(end, t, right=True).clamp(max=k - 1)  # page (rank) of static slot t
+    offset = t - (end - top_size).gather(2, which)
+    start = page_start[:, None, :].expand(-1, kv_heads, -1).gather(2, top.gather(2, which))
+    return (start + offset).sort(dim=-1).values
+
+
+class DynamicView(DraftView):
+    """Sinks + the pages with the highest Quest bound for each draft query + a rolling window.
+
+    Budget split: ``recent = recent_window`` (default ``draft_budget // 4``), ``n_pages =
+    (draft_budget - sink_tokens - recent) // page_size``, static part ``sink_tokens + n_pages ·
+    page_size`` tokens, rolling window the rest (at least ``recent``).
+    """
+
+    name = "dynamic"
+    query_aware = True
+
+    @staticmethod
+    def _recent(config) -> int:
+        return config.recent_window if config.recent_window is not None else config.draft_budget // 4
+
+    def _pages(self, config) -> int:
+        return (config.draft_budget - config.sink_tokens - self._recent(config)) // config.page_size
+
+    def check_config(self, config) -> None:
+        if self._pages(config) < 1:
+            raise ValueError(
+                "dynamic needs room for at least one page: draft_budget >= sink_tokens + recent window + page_size, "
+                f"got {config.draft_budget=}, {config.sink_tokens=}, recent window {self._recent(config)}, "
+                f"{config.page_size=}."
+            )
+        if config.refresh_every is not None or config.refresh_below is not None:
+            raise ValueError(
+                "draft='dynamic' re-selects its view at every draft step; refresh_every / refresh_below apply to "
+                f"static views (snapkv), got {config.refresh_every=}, {config.refresh_below=}."
+            )
+        super().check_config(config)
+
+    def static_slots(self, config, prompt_len: int) -> int:
+        return config.sink_tokens + self._pages(config) * config.page_size
+
+    def window_slots(self, config, prompt_len: int, max_new_tokens: int) -> int:
+        return config.draft_budget - self.static_slots(config, prompt_len)
+
+    def score(self, ctx: ScoreContext) -> torch.Tensor:
+        # The initial static part: earliest tokens first, so it starts with the sinks; the page
+        # slots are refilled at every draft step (rows whose prompt fits keep everything anyway).
+        batch, kv_heads, slots, _ = ctx.keys.shape
+        order = -torch.arange(slots, device=ctx.keys.device, dtype=torch.float32)
+        return order.expand(batch, kv_heads, slots)
+
+    def prepare(self, cache: "MagicDecCache", config: "MagicDecConfig", prompt_slots: int) -> None:
+        """Build the page summaries of every layer (once, after the views are built)."""
+        n_valid = prompt_slots - cache.pad
+        ring_init = torch.minimum(n_valid - cache.static_count, cache.ring_size)
+        region = n_valid - ring_init  # candidates of the static part, as build_draft_views chose them
+        selecting = region > cache.static_slots
+        sinks = min(config.sink_tokens, cache.static_slots)
+        span = torch.where(selecting, region - sinks, torch.zeros_like(region))
+        if not bool(selecting.any()):
+            return  # every prompt fits: nothing to select, ever
+        first = cache.pad + sinks
+        for i, layer in enumerate(cache.layers):
+            kmin, kmax, start, tokens = page_summaries(layer.keys[:, :, :prompt_slots], first, span, config.page_size)
+            cache.row_state[_kmin(i)], cache.row_state[_kmax(i)] = kmin, kmax
+        cache.row_state[_START], cache.row_state[_SIZE] = start, tokens
+        cache.row_state[_SELECTING] = selecting
+
+    def refill(self, cache: "MagicDecCache", layer_idx: int, query: torch.Tensor, scaling: float | None) -> None:
+        """Rewrite the page slots of ``layer_idx``'s static part from this draft step's ``query``
+        ``[B, H, 1, D]`` (rows whose prompt fits are left alone)."""
+        kmin = cache.row_state.get(_kmin(layer_idx))
+        if kmin is None:
+            return
+        layer = cache.layers[layer_idx]
+        if layer.keys.shape[2] == 0:
+            return  # full cache released (a separate draft model): the view stays as built
+        dev = kmin.device
+        sinks = min(cache.view_config.sink_tokens, cache.static_slots)
+        page_slots = cache.static_slots - sinks
+        start, tokens = cache.row_state[_START].to(dev), cache.row_state[_SIZE].to(dev)
+        scores = page_scores(query, kmin, cache.row_state[_kmax(layer_idx)])
+        slot = select_page_slots(scores, start, tokens, page_slots, cache.view_config.page_size)
+        slot = slot.clamp(max=layer.keys.shape[2] - 1)  # rows that do not select: any valid slot
+        selecting = cache.row_state[_SELECTING].to(dev)[:, None, None, None]
+        end = sinks + page_slots
+        for source, dest in ((layer.keys, layer.draft_keys), (layer.values, layer.draft_values)):
+            fresh = torch.gather(source, 2, slot[..., None].expand(-1, -1, -1, source.shape[-1]))
+            dest[:, :, sinks:end] = torch.where(selecting, fresh, dest[:, :, sinks:end])
