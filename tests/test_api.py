@@ -363,3 +363,18 @@ def test_shared_prefill_reuses_one_prefill_and_changes_nothing(llama, monkeypatc
     assert len(calls) == 2  # the first config's prefill served the other two; other prompts computed anew
     llama.generate(**kwargs, **configs[0])
     assert len(calls) == 3  # nothing is kept outside the block
+
+
+def test_every_config_field_is_a_generate_keyword(tiny_models):
+    """max_gamma and hardware reach MagicDecConfig through model.generate like the other fields."""
+    model = tiny_models("llama-gqa3")
+    ids = torch.randint(3, 100, (2, 40), generator=torch.Generator().manual_seed(0))
+    out = model.generate(input_ids=ids, max_new_tokens=12, do_sample=False, eos_token_id=None,
+                         speculative="magicdec", draft="streamingllm", draft_budget=24, sink_tokens=4, gamma="auto",
+                         max_gamma=2, hardware="h100", return_dict_in_generate=True)
+    assert torch.equal(out.sequences, model.generate(input_ids=ids, max_new_tokens=12, do_sample=False,
+                                                     eos_token_id=None))
+    assert out.speculation.gamma_trace and max(out.speculation.gamma_trace) <= 2
+    assert "H100" in out.speculation.plan["hardware"]
+    with pytest.raises(ValueError, match="max_gamma must be in"):
+        model.generate(input_ids=ids, max_new_tokens=4, speculative="magicdec", max_gamma=0)

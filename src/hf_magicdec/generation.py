@@ -52,6 +52,8 @@ def generate(
     draft_budget: int | str | None = None,
     gamma: int | str | None = None,
     adaptive_gamma: bool | None = None,
+    max_gamma: int | None = None,
+    hardware: str | None = None,
     sink_tokens: int | None = None,
     window: int | None = None,
     recent_window: int | None = None,
@@ -80,8 +82,8 @@ def generate(
     input_ids : ``[B, P]`` left-padded prompts (already expanded for ``num_return_sequences``).
     logits_processor, stopping_criteria, generation_config : as prepared by ``generate``.
     tokenizer : enables ``stop_strings`` (``generate`` builds the criterion from it).
-    speculative, draft, draft_budget, gamma, sink_tokens, window, recent_window, pool_kernel,
-        page_size, refresh_every, refresh_below, magicdec_config :
+    speculative, draft, draft_budget, gamma, adaptive_gamma, max_gamma, hardware, sink_tokens, window,
+        recent_window, pool_kernel, page_size, refresh_every, refresh_below, magicdec_config :
         MagicDec settings (see :class:`~hf_magicdec.MagicDecConfig`); explicit values win.
     magicdec_streamer, magicdec_synced_gpus, magicdec_stop_strings, magicdec_tokenizer :
         streamer, ``synced_gpus``, ``stop_strings`` and tokenizer forwarded by the ``speculative=``
@@ -106,6 +108,8 @@ def generate(
         draft_budget=draft_budget,
         gamma=gamma,
         adaptive_gamma=adaptive_gamma,
+        max_gamma=max_gamma,
+        hardware=hardware,
         sink_tokens=sink_tokens,
         window=window,
         recent_window=recent_window,

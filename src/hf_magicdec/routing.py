@@ -21,8 +21,8 @@ from .config import MagicDecConfig
 from .validation import check_route_kwargs
 
 _original_generate = None
-_OPTION_NAMES = ("draft", "draft_budget", "gamma", "sink_tokens", "window", "recent_window", "pool_kernel",
-                 "page_size", "refresh_every", "refresh_below")
+_OPTION_NAMES = ("draft", "draft_budget", "gamma", "adaptive_gamma", "max_gamma", "hardware", "sink_tokens", "window",
+                 "recent_window", "pool_kernel", "page_size", "refresh_every", "refresh_below")
 _OFF = (None, False, "", "none", "off")
 
 
