@@ -378,6 +378,7 @@ class _Engine:
         new_tokens = first[:, None]
         step_scores, step_logits = scores[:, None], first_logits[:, None]
         num_new = torch.ones(batch, device=device, dtype=torch.long)
+        accepted = None  # [b] accepted drafts of the last verification (set once a step has run)
         while True:
             # Emit this step's tokens (first token, or a verification's accepted + 1), stop rows.
             keep, finished = self._emit(rb, rows, seq_len, new_tokens, num_new, cap, eos, flagged_len, done_all)
