@@ -39,6 +39,20 @@ def _copy_slots(source: torch.Tensor, src: torch.Tensor, dest: torch.Tensor, dst
     dest.scatter_(2, d_idx, torch.gather(source, 2, s_idx))
 
 
+def _per_device(*tensors: torch.Tensor):
+    """``on(device)``: ``tensors`` on ``device``, copied once per device (device maps) rather than
+    once per layer."""
+    copies: dict[torch.device, tuple[torch.Tensor, ...]] = {}
+
+    def on(device: torch.device) -> tuple[torch.Tensor, ...]:
+        hit = copies.get(device)
+        if hit is None:
+            hit = copies[device] = tuple(t.to(device) for t in tensors)
+        return hit
+
+    return on
+
+
 class MagicDecLayer(CacheLayerMixin):
     """One layer of a :class:`MagicDecCache`. Allocates lazily on the first keys it receives, so it
     lives on its layer's device with its local head count (device maps, tensor parallelism)."""
@@ -160,6 +174,11 @@ class MagicDecCache(Cache):
             hit = self._segments_on[device] = self._segments.to(device)
         return hit
 
+    def forward_mask(self, q_len: int, kv_len: int) -> torch.Tensor:
+        """The ``[B, 1, q_len, kv_len]`` bool mask of the current draft or verify forward, built
+        from its key ranges (the PyTorch attention twin reuses this very tensor)."""
+        return self.attention_segments(self.lengths.device).mask(q_len, kv_len)
+
     def begin_prefill(self, start: int, length: int) -> None:
         """Next forward writes prompt slots ``[start, start + length)`` in every row."""
         self._begin(_PREFILL)
@@ -180,10 +199,7 @@ class MagicDecCache(Cache):
         self._begin(_DRAFT)
         self._draft_step, self._q = step, num_tokens
         scratch = self.static_slots + self.window_slots
-        self._segments = Segments.prefix_and_block(self._draft_filled(), scratch, scratch + step + num_tokens)
-        if skip is not None:
-            s = self._segments
-            self._segments = Segments(s.lo1, s.hi1, (scratch + skip).to(s.lo2), s.hi2)
+        self._segments = Segments.prefix_and_block(self._draft_filled(), scratch, scratch + step + num_tokens, skip)
 
     def begin_verify(self, num_tokens: int) -> None:
         """Next forward verifies ``num_tokens`` tokens per row at each row's own offset."""
@@ -334,21 +350,9 @@ class MagicDecCache(Cache):
         """
         num_tokens = num_tokens.to(self.lengths.device).long()
         if self.view is not None:
-            q = self._q
-            j = torch.arange(q, device=self.lengths.device)
+            j = torch.arange(self._q, device=self.lengths.device)
             src = (self.lengths[:, None] + j).clamp(max=self.capacity - 1)  # [B, q]
-            ring = self.static_count[:, None] + (self.ring_ptr[:, None] + j) % self.ring_size[:, None]
-            trash = self.static_slots + self.window_slots + self.gamma
-            dst = torch.where(j[None, :] < num_tokens[:, None], ring, torch.full_like(ring, trash))
-            moved: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}  # one copy per device (device maps)
-            for layer in self.layers:
-                dev = layer.keys.device
-                if dev not in moved:
-                    moved[dev] = (src.to(dev), dst.to(dev))
-                s, d = moved[dev]
-                _copy_slots(layer.keys, s, layer.draft_keys, d)
-                _copy_slots(layer.values, s, layer.draft_values, d)
-            self.ring_ptr += num_tokens
+            self._append_to_windows(src, num_tokens, from_full_cache=True)
         self.lengths += num_tokens
         self._max_len = int(self.lengths.max().item()) if self.lengths.numel() else 0
         self._mode = None
@@ -363,21 +367,24 @@ class MagicDecCache(Cache):
         count : ``[B]`` tokens to append per row, ``<= n``.
         """
         dev = self.lengths.device
-        src, count = src.to(dev), count.to(dev).long()
-        j = torch.arange(src.shape[1], device=dev)
         scratch = self.static_slots + self.window_slots
-        ring = self.static_count[:, None] + (self.ring_ptr[:, None] + j) % self.ring_size[:, None]
-        dst = torch.where(j[None, :] < count[:, None], ring, torch.full_like(ring, scratch + self.gamma))
-        moved: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
-        for layer in self.layers:
-            d = layer.draft_keys.device
-            if d not in moved:
-                moved[d] = ((scratch + src).to(d), dst.to(d))
-            s, t = moved[d]
-            _copy_slots(layer.draft_keys, s, layer.draft_keys, t)
-            _copy_slots(layer.draft_values, s, layer.draft_values, t)
-        self.ring_ptr += count
+        self._append_to_windows(scratch + src.to(dev), count.to(dev).long(), from_full_cache=False)
         self._mode = None
+
+    def _append_to_windows(self, src: torch.Tensor, count: torch.Tensor, from_full_cache: bool) -> None:
+        """Copy slots ``src[b, :count[b]]`` of each row, taken from the full cache or from the draft
+        buffer itself, into the next slots of its rolling window (the rest go to the trash slot)."""
+        j = torch.arange(src.shape[1], device=src.device)
+        ring = self.static_count[:, None] + (self.ring_ptr[:, None] + j) % self.ring_size[:, None]
+        trash = self.static_slots + self.window_slots + self.gamma
+        dst = torch.where(j[None, :] < count[:, None], ring, torch.full_like(ring, trash))
+        on = _per_device(src, dst)
+        for layer in self.layers:
+            s, d = on(layer.draft_keys.device)
+            keys, values = (layer.keys, layer.values) if from_full_cache else (layer.draft_keys, layer.draft_values)
+            _copy_slots(keys, s, layer.draft_keys, d)
+            _copy_slots(values, s, layer.draft_values, d)
+        self.ring_ptr += count
 
     def release_full_kv(self) -> None:
         """Free the full cache once the draft views are built, for a draft model that only ever
@@ -397,13 +404,11 @@ class MagicDecCache(Cache):
             self.static_count = self.static_count.index_select(0, rows)
             self.ring_size = self.ring_size.index_select(0, rows)
             self.ring_ptr = self.ring_ptr.index_select(0, rows)
-        moved: dict[torch.device, torch.Tensor] = {}  # one copy per device (device maps)
+        on = _per_device(rows)
         for layer in self.layers:
             if not layer.is_initialized:
                 continue
-            r = moved.get(layer.keys.device)
-            if r is None:
-                r = moved[layer.keys.device] = rows.to(layer.keys.device)
+            (r,) = on(layer.keys.device)
             layer.keys = layer.keys.index_select(0, r)
             layer.values = layer.values.index_select(0, r)
             if layer.draft_keys is not None:

@@ -85,7 +85,6 @@ class DraftModelDrafter:
         base = target.lengths - target.pad  # position of the pending token
         skip = (~self.refeed).long()
         view_end = cache.static_slots + cache.window_slots
-        dev = base.device
 
         def step(i: int, tok: torch.Tensor) -> torch.Tensor:
             if i == 0:
@@ -97,7 +96,7 @@ class DraftModelDrafter:
                 positions = (base + i)[:, None]
                 cache.begin_draft(i + 1, 1, skip)
                 kv_len = view_end + i + 2
-            mask = cache.attention_segments(dev).mask(tok.shape[1], kv_len)
+            mask = cache.forward_mask(tok.shape[1], kv_len)
             return self.engine._forward(tok, positions, mask, 1, model=self.model, cache=cache)[:, -1].float()
 
         return step

@@ -507,7 +507,7 @@ class _Engine:
         if gamma == 0:
             return pending.new_empty((pending.shape[0], 0)), None
         if self.drafter is None:
-            step = self._self_draft_step(gamma)
+            step = self._self_draft_step()
         else:
             step = self.drafter.start_round(rb, rows, seq_len_rows, gamma)
         tok = pending[:, None]
@@ -527,15 +527,14 @@ class _Engine:
             tok = d[:, None]
         return torch.stack(drafts, dim=1), (torch.stack(probs, dim=1) if probs else None)
 
-    def _self_draft_step(self, gamma: int):
+    def _self_draft_step(self):
         """Draft step ``i`` of the model itself on its draft views: ``step(i, tok [b, 1]) -> [b, V]``."""
         cache = self.cache
-        base_valid = cache.draft_valid()  # [b, Ks + W]
-        ones = torch.ones((base_valid.shape[0], gamma), dtype=torch.bool, device=base_valid.device)
+        view_end = cache.static_slots + cache.window_slots
 
         def step(i: int, tok: torch.Tensor) -> torch.Tensor:
             cache.begin_draft(i)
-            mask = torch.cat([base_valid, ones[:, : i + 1]], dim=1)[:, None, None, :]
+            mask = cache.forward_mask(1, view_end + i + 1)
             positions = (cache.lengths - cache.pad + i)[:, None]
             return self._forward(tok, positions, mask, logits_to_keep=1)[:, -1].float()
 
@@ -546,13 +545,10 @@ class _Engine:
         cache = self.cache
         q = drafts.shape[1] + 1
         cache.begin_verify(q)
-        kv_len = cache.verify_kv_length(q)
-        key = torch.arange(kv_len, device=pending.device)
-        query = cache.lengths[:, None] + torch.arange(q, device=pending.device)  # [b, q] slots
-        mask = (key[None, None, :] >= cache.pad[:, None, None]) & (key[None, None, :] <= query[:, :, None])
-        positions = query - cache.pad[:, None]
+        mask = cache.forward_mask(q, cache.verify_kv_length(q))
+        positions = cache.lengths[:, None] - cache.pad[:, None] + torch.arange(q, device=pending.device)
         ids = torch.cat([pending[:, None], drafts], dim=1)
-        return self._forward(ids, positions, mask[:, None], logits_to_keep=0).float()
+        return self._forward(ids, positions, mask, logits_to_keep=0).float()
 
     def _finish(self, rb, seq_len, prompt, pad_id, stats, row_scores, row_logits):
         total = int(seq_len.max())

@@ -622,8 +622,7 @@ def measure_steps(
 
         def draft_step() -> None:
             cache.begin_draft(0)
-            valid = cache.draft_valid()
-            mask = torch.cat([valid, torch.ones(batch, 1, dtype=torch.bool, device=device)], 1)[:, None, None, :]
+            mask = cache.forward_mask(1, cache.static_slots + cache.window_slots + 1)
             engine._forward(tokens[:, :1], cache.lengths[:, None], mask, logits_to_keep=1)
 
         built = [first]

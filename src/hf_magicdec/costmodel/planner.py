@@ -273,8 +273,6 @@ def plan(
     if draft_model is not None:
         dspec = _model_spec(draft_model, dtype)
         for d in draft_model_drafts:
-            if d not in drafts and drafts != DEFAULT_DRAFTS:
-                continue  # the user fixed the view
             # The full view holds the whole context: its "budget" is the context.
             view_budgets = (s,) if d == "full" else tuple(k for k in budgets if k < prompt_len)
             estimates += [

@@ -17,6 +17,7 @@ Both backends take the same arguments and return the same layouts; see
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import os
 
@@ -43,7 +44,9 @@ def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
+@functools.lru_cache(maxsize=None)
 def triton_available() -> bool:
+    # Once per process: the dispatch runs in every attention call, and find_spec searches sys.path.
     return importlib.util.find_spec("triton") is not None
 
 
@@ -51,16 +54,15 @@ def check_backend(device: torch.device) -> str:
     """Resolve the backend for tensors on ``device``; raise early when ``triton`` is forced but
     cannot run there (called by ``generate`` before any heavy work)."""
     choice = requested_backend()
-    if choice == "torch":
-        return "torch"
-    usable = triton_available() and (torch.device(device).type == "cuda" or _interpreting())
+    on_cuda = torch.device(device).type == "cuda"
+    if choice == "torch" or (choice == "auto" and not on_cuda):
+        return "torch"  # the interpreter is a test tool, never an automatic choice
+    usable = triton_available() and (on_cuda or _interpreting())
     if choice == "triton" and not usable:
         why = "triton is not installed" if not triton_available() else (
             f"tensors are on {torch.device(device).type!r} and TRITON_INTERPRET is not set"
         )
         raise RuntimeError(f"{ENV_VAR}=triton but Triton cannot run here: {why}. Use {ENV_VAR}=auto or torch.")
-    if choice == "auto" and torch.device(device).type != "cuda":
-        return "torch"  # the interpreter is a test tool, never an automatic choice
     return "triton" if usable else "torch"
 
 

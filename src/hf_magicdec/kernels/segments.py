@@ -48,11 +48,14 @@ class Segments:
         return cls(zero, zero, start.int(), end)
 
     @classmethod
-    def prefix_and_block(cls, filled: torch.Tensor, block_start: int, block_end: int) -> "Segments":
-        """Slots ``[0, filled[b])`` plus the shared block ``[block_start, block_end)`` (draft step)."""
+    def prefix_and_block(cls, filled: torch.Tensor, block_start: int, block_end: int,
+                         skip: torch.Tensor | None = None) -> "Segments":
+        """Slots ``[0, filled[b])`` plus the block ``[block_start + skip[b], block_end)`` (draft step;
+        ``skip`` defaults to 0 for every row)."""
         filled = filled.int()
         zero = torch.zeros_like(filled)
-        return cls(zero, filled, torch.full_like(filled, block_start), torch.full_like(filled, block_end))
+        lo2 = torch.full_like(filled, block_start) if skip is None else (block_start + skip).to(filled)
+        return cls(zero, filled, lo2, torch.full_like(filled, block_end))
 
     def to(self, device: torch.device) -> "Segments":
         if self.lo1.device == device:

@@ -217,6 +217,22 @@ def segment_attention(query, key, value, segments, scaling: float, num_splits: i
 
 
 @triton.jit
+def _window_queries(Q, b, kvh, rows, slots, stride_qb, stride_qh, stride_qw, stride_qd,
+                    WINDOW: tl.constexpr, GROUP: tl.constexpr, HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Packed rows ``rows`` of KV head ``kvh``: row r is window query ``r % WINDOW`` of query head
+    ``kvh*GROUP + r // WINDOW``. Returns the query tile, which rows exist, and each row's slot."""
+    row_ok = rows < GROUP * WINDOW
+    head = kvh * GROUP + rows // WINDOW
+    wi = rows % WINDOW
+    d = tl.arange(0, BLOCK_D)
+    q = tl.load(
+        Q + b * stride_qb + head[:, None] * stride_qh + wi[:, None] * stride_qw + d[None, :] * stride_qd,
+        mask=row_ok[:, None] & (d[None, :] < HEAD_D), other=0.0,
+    )
+    return q, row_ok, slots - WINDOW + wi
+
+
+@triton.jit
 def _snapkv_stats_kernel(
     Q, K, Pad, M, L,
     stride_qb, stride_qh, stride_qw, stride_qd,
@@ -231,15 +247,9 @@ def _snapkv_stats_kernel(
     b = pid_bh // kv_heads
     kvh = pid_bh % kv_heads
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    row_ok = rows < GROUP * WINDOW
-    head = kvh * GROUP + rows // WINDOW
-    wi = rows % WINDOW
-    query_slot = slots - WINDOW + wi
+    q, row_ok, query_slot = _window_queries(Q, b, kvh, rows, slots, stride_qb, stride_qh, stride_qw, stride_qd,
+                                            WINDOW, GROUP, HEAD_D, BLOCK_D)
     d = tl.arange(0, BLOCK_D)
-    q = tl.load(
-        Q + b * stride_qb + head[:, None] * stride_qh + wi[:, None] * stride_qw + d[None, :] * stride_qd,
-        mask=row_ok[:, None] & (d[None, :] < HEAD_D), other=0.0,
-    )
     pad = tl.load(Pad + b)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -287,14 +297,8 @@ def _snapkv_mass_kernel(
     mass = tl.zeros([BLOCK_N], tl.float32)
     for m0 in range(0, GROUP * WINDOW, BLOCK_M):
         rows = m0 + tl.arange(0, BLOCK_M)
-        row_ok = rows < GROUP * WINDOW
-        head = kvh * GROUP + rows // WINDOW
-        wi = rows % WINDOW
-        query_slot = slots - WINDOW + wi
-        q = tl.load(
-            Q + b * stride_qb + head[:, None] * stride_qh + wi[:, None] * stride_qw + d[None, :] * stride_qd,
-            mask=row_ok[:, None] & (d[None, :] < HEAD_D), other=0.0,
-        )
+        q, row_ok, query_slot = _window_queries(Q, b, kvh, rows, slots, stride_qb, stride_qh, stride_qw,
+                                                stride_qd, WINDOW, GROUP, HEAD_D, BLOCK_D)
         m_row = tl.load(M + pid_bh * GROUP * WINDOW + rows, mask=row_ok, other=0.0)
         l_row = tl.load(L + pid_bh * GROUP * WINDOW + rows, mask=row_ok, other=1.0)
         s = tl.dot(q.to(tl.float32), k.to(tl.float32), input_precision="ieee") * scaling
