@@ -110,3 +110,30 @@ def test_adaptive_start_above_max_gamma_is_clamped(tiny_models):
     out = model.generate(**kwargs, speculative=cfg, return_dict_in_generate=True)
     assert torch.equal(out.sequences, reference)
     assert max(out.speculation.gamma_trace) <= 3
+
+
+@pytest.mark.parametrize("fields", [
+    dict(draft="auto", draft_budget=4, sink_tokens=2, gamma="auto"),     # window of 2: γ must shrink to 1
+    dict(draft="auto", draft_budget=40, sink_tokens=48, gamma=1),        # streamingllm cannot: another view
+])
+def test_auto_fields_fit_the_explicit_ones(tiny_models, fields):
+    """The planner's choice never breaks the user's explicit fields (found by the fuzzer)."""
+    model = tiny_models("llama-gqa3")
+    ids, mask = ragged_prompts(batch=3, length=5, seed=2, min_len=3)
+    kwargs = dict(input_ids=ids, attention_mask=mask, max_new_tokens=8, do_sample=False, eos_token_id=None)
+    out = model.generate(**kwargs, speculative="magicdec", return_dict_in_generate=True, **fields)
+    assert torch.equal(out.sequences, model.generate(**kwargs))
+
+
+def test_no_view_fits_explicit_fields_is_refused_before_any_forward(tiny_models):
+    model = tiny_models("llama-gqa3")
+    ids, mask = ragged_prompts(batch=2, length=8, seed=2)
+    calls = []
+    handle = model.register_forward_pre_hook(lambda *_: calls.append(1))
+    try:
+        with pytest.raises(ValueError, match="No draft view and gamma fit"):
+            model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=4, speculative="magicdec",
+                           draft="auto", draft_budget=3, sink_tokens=16, recent_window=21, gamma=2)
+    finally:
+        handle.remove()
+    assert calls == []

@@ -8,14 +8,17 @@ each step from the acceptance observed so far, with the same cost model.
 Device model, in order: ``MagicDecConfig.hardware`` if set; the cached calibration of this model
 on this device and dtype (``hf-magicdec plan --model ... --calibrate``); the preset matching the
 GPU's name; the uncalibrated ``"cpu"`` preset. Acceptance α: what earlier generations of this
-model measured for the same draft view and budget (kept in memory for the process), else the
-documented prior (:func:`hf_magicdec.costmodel.default_acceptance`).
+model measured for the same draft view and budget (kept in memory while the model lives, at most
+64 entries per model), else the documented prior (:func:`hf_magicdec.costmodel.default_acceptance`).
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
 import threading
+import weakref
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,24 +29,52 @@ from .distributed import with_tp_degree
 
 log = logging.getLogger("hf_magicdec")
 
-# (model key, draft, budget) -> (accepted, drafted) over this process's generations.
-_OBSERVED: dict[tuple[str, str, int], tuple[int, int]] = {}
+# Views an "auto" draft may fall back to when the explicit fields rule out the planner's choice.
+SELF_DRAFTS = ("snapkv", "streamingllm")
+
+# The acceptance memory: per live model, (draft key, budget) -> (accepted, drafted) over this
+# process's generations. Keyed by the model object itself through weak references, so a model's
+# entries go away with it and can never be inherited by a later model that happens to reuse its
+# ``id()`` after garbage collection; each model keeps at most ``_MAX_ENTRIES_PER_MODEL`` entries
+# (least recently used dropped first), so the memory is bounded by the models alive.
+_OBSERVED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+# Serial numbers naming models in draft keys (``model:<name>#<serial>:<view>``): never reused.
+_SERIALS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_NEXT_SERIAL = itertools.count(1)
+_MAX_ENTRIES_PER_MODEL = 64
 _LOCK = threading.Lock()
 _PRIOR_WEIGHT = 32  # drafted tokens' worth of confidence in the prior when blending
 
 
 def _model_key(model) -> str:
-    return f"{getattr(model.config, '_name_or_path', '') or type(model).__name__}:{id(model.config)}"
+    """A name for ``model`` that no other model of this process ever gets (a serial number, not ``id()``)."""
+    name = getattr(getattr(model, "config", None), "_name_or_path", "") or type(model).__name__
+    with _LOCK:
+        try:
+            serial = _SERIALS.get(model)
+            if serial is None:
+                serial = _SERIALS[model] = next(_NEXT_SERIAL)
+        except TypeError:  # not weak-referenceable: a name of its own, not remembered
+            serial = f"u{next(_NEXT_SERIAL)}"
+    return f"{name}#{serial}"
 
 
 def record_acceptance(model, draft: str, budget: int, accepted: int, drafted: int) -> None:
     """Remember what a finished generation measured, for the next plan."""
     if drafted <= 0:
         return
-    key = (_model_key(model), draft, budget)
+    key = (draft, budget)
     with _LOCK:
-        a, d = _OBSERVED.get(key, (0, 0))
-        _OBSERVED[key] = (a + accepted, d + drafted)
+        try:
+            memory = _OBSERVED.get(model)
+            if memory is None:
+                memory = _OBSERVED[model] = OrderedDict()
+        except TypeError:  # not weak-referenceable: nothing is remembered for it
+            return
+        a, d = memory.pop(key, (0, 0))
+        memory[key] = (a + accepted, d + drafted)
+        while len(memory) > _MAX_ENTRIES_PER_MODEL:
+            memory.popitem(last=False)
 
 
 def draft_key(draft: str, draft_model=None) -> str:
@@ -52,8 +83,23 @@ def draft_key(draft: str, draft_model=None) -> str:
 
 
 def observed_acceptance(model, draft: str, budget: int) -> float | None:
-    a, d = _OBSERVED.get((_model_key(model), draft, budget), (0, 0))
+    """What earlier generations of this model measured for this draft key and budget, or None."""
+    with _LOCK:
+        try:
+            memory = _OBSERVED.get(model)
+        except TypeError:
+            return None
+        a, d = memory.get((draft, budget), (0, 0)) if memory is not None else (0, 0)
     return a / d if d else None
+
+
+def forget_acceptance(model=None) -> None:
+    """Drop the acceptance memory of ``model`` (all models when None): plans start from the prior again."""
+    with _LOCK:
+        if model is None:
+            _OBSERVED.clear()
+        else:
+            _OBSERVED.pop(model, None)
 
 
 def hardware_for(model, config: MagicDecConfig, spec=None):
@@ -95,6 +141,31 @@ class Resolution:
     draft_ratio: float | None = None
     verify_ratio: dict[int, float] | None = None
     use_draft_model: bool = True  # False: the planner preferred self-speculation to the draft model
+
+
+def _first_valid(config: MagicDecConfig, changes: dict) -> MagicDecConfig | None:
+    """``config`` with the planner's ``changes``, or, where the explicit fields rule that choice out
+    (a rolling window too small for the chosen γ, a budget not above StreamingLLM's sinks), the
+    nearest choice they allow: smaller γ first, then the other views. None where the planner may
+    decline and nothing fits; the config's own error otherwise."""
+    gammas = [changes["gamma"]] + list(range(changes["gamma"] - 1, 0, -1)) if "gamma" in changes else [None]
+    drafts = [changes["draft"]] + [d for d in SELF_DRAFTS if d != changes["draft"]] if "draft" in changes else [None]
+    errors: list[str] = []
+    for draft in drafts:
+        for gamma in gammas:
+            trial = dict(changes)
+            if draft is not None:
+                trial["draft"] = draft
+            if gamma is not None:
+                trial["gamma"] = gamma
+            try:
+                return config.replace(**trial, adaptive_gamma=config.adaptive)  # "auto" γ keeps adapting
+            except ValueError as exc:
+                if str(exc) not in errors:
+                    errors.append(str(exc))
+    if config.planner_may_decline:
+        return None
+    raise ValueError(f"No draft view and gamma fit the explicit settings {config}: " + " / ".join(errors))
 
 
 def resolve(config: MagicDecConfig, model, batch: int, prompt_len: int, new_tokens: int,
@@ -150,7 +221,9 @@ def resolve(config: MagicDecConfig, model, batch: int, prompt_len: int, new_toke
         chosen = {"draft": p.draft, "draft_budget": p.draft_budget,
                   "gamma": p.gamma if config.gamma == AUTO else config.gamma}
     changes = {k: v for k, v in chosen.items() if getattr(config, k) == AUTO}
-    resolved = config.replace(**changes, adaptive_gamma=config.adaptive)  # "auto" γ keeps adapting
+    resolved = _first_valid(config, changes)
+    if resolved is None:  # nothing fits the explicit fields (e.g. a budget too small for any γ)
+        return Resolution(None, p, use_draft_model=False)
     log.info("hf_magicdec planner (%s): %s budget %s gamma %s, predicted %.2fx", where, resolved.draft,
              resolved.draft_budget, resolved.gamma, p.predicted_speedup)
     if not resolved.adaptive:

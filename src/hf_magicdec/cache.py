@@ -4,7 +4,7 @@ Layout per layer (``B`` rows, ``Hkv`` local KV heads, ``D`` head dim)::
 
     keys / values        [B, Hkv, capacity, D]   the full cache; row b's committed tokens are
                                                  slots [0, lengths[b]) (left padding included,
-                                                 always masked)
+                                                 always masked); grows in chunks (``reserve``)
     draft_keys / values  [B, Hkv, Ks + W + gamma + 1, D]
                          [ static selection Ks | rolling window W | draft scratch gamma | trash 1 ]
 
@@ -12,10 +12,18 @@ Models call ``cache.update(k, v, layer_idx)`` without metadata, so the engine te
 what the next forward is (``begin_prefill`` / ``begin_draft`` / ``begin_verify``) and the cache
 owns every per-row offset. Commit and rollback are O(1) per row: rejected tokens' KV stays in
 slots that the next verify overwrites, and only ``lengths`` moves.
+
+Memory follows what is generated, not ``max_new_tokens``: the full cache starts at the prompt plus
+a modest headroom (:func:`initial_capacity`) and :meth:`MagicDecCache.reserve` grows it
+geometrically, capped at what the call can generate, when the next verify would write past it.
+Growing allocates the larger buffers (on each layer's own device), copies the filled prefix and
+replaces them: one contiguous layout, so kernels, masks and key ranges are unchanged. The draft
+views are separate fixed-size buffers and never move.
 """
 
 from __future__ import annotations
 
+import math
 from typing import TYPE_CHECKING
 
 import torch
@@ -29,6 +37,34 @@ if TYPE_CHECKING:
     from .config import MagicDecConfig
 
 _PREFILL, _DRAFT, _VERIFY = "prefill", "draft", "verify"
+
+# Growth policy of the full cache (module-level so tests can force many growths).
+INITIAL_HEADROOM = 256  # generated-token slots allocated with the prompt (fewer if max_new_tokens is smaller)
+GROWTH_FACTOR = 1.5  # a growing cache becomes at least this many times larger …
+MIN_GROWTH = 256  # … and at least this many slots larger
+
+
+def initial_capacity(prompt: int, max_new_tokens: int, scratch: int) -> int:
+    """Slots per row to allocate at prefill: the prompt, ``min(max_new_tokens, INITIAL_HEADROOM)``
+    generated tokens and one verify's worth of scratch (``scratch + 1``)."""
+    return prompt + min(max(max_new_tokens, 0), INITIAL_HEADROOM) + scratch + 1
+
+
+def grown_capacity(capacity: int, needed: int, limit: int) -> int:
+    """Next capacity of a cache of ``capacity`` slots that must hold ``needed``: geometric
+    (``GROWTH_FACTOR``, at least ``MIN_GROWTH`` more), at most ``limit`` unless ``needed`` is more."""
+    target = max(needed, math.ceil(capacity * GROWTH_FACTOR), capacity + MIN_GROWTH)
+    return max(needed, min(target, limit))
+
+
+def _grown(buffer: torch.Tensor, capacity: int, filled: int) -> torch.Tensor:
+    """``buffer [B, H, S, D]`` moved into a new ``[B, H, capacity, D]`` buffer on its device: the
+    first ``filled`` slots copied, the rest zero (unwritten slots are read masked; zeros keep masked
+    products finite)."""
+    out = buffer.new_empty((*buffer.shape[:2], capacity, buffer.shape[-1]))
+    out[:, :, :filled] = buffer[:, :, :filled]
+    out[:, :, filled:].zero_()
+    return out
 
 
 def _copy_slots(source: torch.Tensor, src: torch.Tensor, dest: torch.Tensor, dst: torch.Tensor) -> None:
@@ -80,7 +116,9 @@ class MagicDecLayer(CacheLayerMixin):
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        return self.owner._layer_update(self, key_states, value_states)
+        keys, values = self.owner._layer_update(self, key_states, value_states)
+        self.owner._key_owner[keys.data_ptr()] = self.layer_idx
+        return keys, values
 
     def get_seq_length(self) -> int:
         return self.owner.max_length()
@@ -102,20 +140,27 @@ class MagicDecCache(Cache):
     batch_size : int
         Rows.
     capacity : int
-        Slots per row: at least prompt length + new tokens + gamma + 1.
+        Slots per row allocated now: at least the prompt length (prefill writes ``[0, prompt)``)
+        and, before each verify, the longest row + the verified tokens (:meth:`reserve`).
     pad_lengths : torch.LongTensor
         ``[batch]`` left-padding slots of each row's prompt.
+    max_capacity : int, optional
+        What :meth:`reserve` grows to at most (prompt + new tokens + gamma + 1: all the call can
+        write); default ``capacity``.
 
     Notes
     -----
     Not meant to be reused across ``generate`` calls: the engine builds one per call.
     """
 
-    def __init__(self, num_layers: int, batch_size: int, capacity: int, pad_lengths: torch.Tensor):
+    def __init__(self, num_layers: int, batch_size: int, capacity: int, pad_lengths: torch.Tensor,
+                 max_capacity: int | None = None):
         layers = [MagicDecLayer(self, i) for i in range(num_layers)]
         super().__init__(layers=layers)
         self.num_rows = batch_size
-        self.capacity = capacity
+        self.capacity = capacity  # slots per row allocated in every layer's keys / values
+        self.max_capacity = max(capacity, max_capacity if max_capacity is not None else capacity)
+        self.growths = 0  # times reserve() grew the full cache
         self.pad = pad_lengths.long()  # [B]
         self.lengths = torch.zeros_like(self.pad)  # [B] committed slots
         self._max_len = 0  # host mirror of lengths.max()
@@ -124,6 +169,7 @@ class MagicDecCache(Cache):
         self._q = 0
         self._draft_step = 0
         self._memo: dict[tuple[str, torch.device], torch.Tensor] = {}
+        self._key_owner: dict[int, int] = {}  # data_ptr of keys handed to attention -> cache layer
         self._segments: Segments | None = None  # key ranges of the current draft/verify forward
         self._segments_on: dict[torch.device, Segments] = {}
         # Draft-view state (shared by all layers: counts depend only on row lengths).
@@ -135,6 +181,9 @@ class MagicDecCache(Cache):
         self.ring_size: torch.Tensor | None = None  # [B] rolling-window slots per row (Ks + W - sc)
         self.ring_ptr: torch.Tensor | None = None  # [B] tokens ever written to the window
         self.observation_window = 0
+        # Largest position this generation reaches (prompt slots + new tokens), checked by the
+        # attention against sliding windows; None = unchecked (synthetic caches of calibration).
+        self.position_limit: int | None = None
         # Per-row tensors of query-aware views and refresh, keyed (name, layer or -1); they follow select_rows.
         self.row_state: dict[tuple[str, int], torch.Tensor] = {}
         self.view_config: "MagicDecConfig | None" = None
@@ -148,6 +197,31 @@ class MagicDecCache(Cache):
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self._max_len
 
+    def reserve(self, slots: int) -> bool:
+        """Make the full cache hold at least ``slots`` slots per row; call it between steps, e.g.
+        with ``max_length() + q`` before a ``q``-token verify (host-side, no device sync).
+
+        Grows geometrically (:func:`grown_capacity`, capped at ``max_capacity``) so that the copies
+        are amortised: every initialized layer gets new ``keys`` / ``values`` on its own device
+        with the filled prefix ``[0, max_length())`` copied. Layers whose full KV was released
+        (:meth:`release_full_kv`) stay empty. Returns whether the cache grew.
+        """
+        if slots <= self.capacity:
+            return False
+        if self._mode is not None:
+            raise RuntimeError(f"MagicDecCache.reserve() during a {self._mode} forward; grow it between steps.")
+        capacity = grown_capacity(self.capacity, slots, self.max_capacity)
+        filled = self._max_len  # every row's committed KV lies in [0, lengths[b]) within it
+        for layer in self.layers:
+            if not layer.is_initialized or layer.keys.shape[2] == 0:
+                continue
+            layer.keys = _grown(layer.keys, capacity, filled)
+            layer.values = _grown(layer.values, capacity, filled)
+        self.capacity = capacity
+        self.max_capacity = max(self.max_capacity, capacity)
+        self.growths += 1
+        return True
+
     def _on(self, name: str, tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
         """``tensor`` on ``device``, memoised until the next ``begin_*`` (one copy per device)."""
         if tensor.device == device:
@@ -158,8 +232,15 @@ class MagicDecCache(Cache):
             hit = self._memo[key] = tensor.to(device, non_blocking=True)
         return hit
 
+    def layer_of(self, key: torch.Tensor, default: int) -> int:
+        """Cache layer whose buffer ``key`` (as handed to attention) was returned from. Models may
+        index the cache differently from their modules' ``layer_idx`` (HRM cycles its layers over
+        several cache slots); ``default`` for keys the cache did not hand out this forward."""
+        return self._key_owner.get(key.data_ptr(), default)
+
     def _begin(self, mode: str) -> None:
         self._mode = mode
+        self._key_owner.clear()
         self._memo.clear()
         self._segments = None
         self._segments_on.clear()
@@ -394,6 +475,7 @@ class MagicDecCache(Cache):
                 # New empty tensors: a zero-length slice would keep the old storage alive.
                 layer.keys = layer.keys.new_empty((*layer.keys.shape[:2], 0, layer.keys.shape[-1]))
                 layer.values = layer.values.new_empty((*layer.values.shape[:2], 0, layer.values.shape[-1]))
+        self.capacity = self.max_capacity = 0  # nothing left to write into or grow
 
     def select_rows(self, rows: torch.Tensor) -> None:
         """Keep only ``rows`` (``[B']`` indices), dropping finished rows from the working batch."""

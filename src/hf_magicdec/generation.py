@@ -25,7 +25,7 @@ import torch
 from transformers.generation.stopping_criteria import StopStringCriteria, StoppingCriteriaList
 
 from . import attention, auto, kernels
-from .cache import MagicDecCache
+from .cache import MagicDecCache, initial_capacity
 from .config import MagicDecConfig
 from .draft_model import DraftModelDrafter, check_draft_model
 from .distributed import LOCAL, Lockstep, resolve_synced_gpus
@@ -167,21 +167,8 @@ def generate(
         return engine.run(input_ids, model_kwargs.get("attention_mask"), model_kwargs.get("position_ids"))
 
 
-@contextlib.contextmanager
-def _magicdec_attention(model):
-    """Switch the model to the ``magicdec`` attention for one call; always restore it."""
-    attention.register()
-    configs = [model.config] + [
-        sub for sub in (getattr(model.config, k, None) for k in getattr(model.config, "sub_configs", {}) or {}) if sub
-    ]
-    saved = [cfg._attn_implementation for cfg in configs]
-    try:
-        for cfg in configs:
-            cfg._attn_implementation = attention.ATTENTION_NAME
-        yield
-    finally:
-        for cfg, value in zip(configs, saved):
-            cfg._attn_implementation = value
+# Switch the model to the ``magicdec`` attention for one call; always restore it (thread-safe).
+_magicdec_attention = attention.switched
 
 
 _SHARED_PREFILL: contextvars.ContextVar[list | None] = contextvars.ContextVar(
@@ -238,7 +225,7 @@ class _Engine:
         # A separate draft model, or None: the model drafts on its own views (self-speculation).
         self.drafter = DraftModelDrafter(self, draft_model, self.view, config) if draft_model is not None else None
         self.keep_logits = model._supports_logits_to_keep()
-        self.sliding_dict = _needs_mask_dict(model.config)
+        self.sliding_dict = _needs_mask_dict(model.config.get_text_config(decoder=True))
 
     # -------------------------------------------------------------- forward helpers
     def _forward(self, ids, positions, mask, logits_to_keep: int | None, model=None, cache=None):
@@ -251,33 +238,40 @@ class _Engine:
             kwargs["logits_to_keep"] = logits_to_keep
         if self.sliding_dict:
             mask = {"full_attention": mask, "sliding_attention": mask}
-        out = model(
-            input_ids=ids,
-            position_ids=positions,
-            attention_mask=mask,
-            past_key_values=cache,
-            use_cache=True,
-            return_dict=True,
-            **kwargs,
-        )
+        with attention.engine_forward(cache):
+            out = model(
+                input_ids=ids,
+                position_ids=positions,
+                attention_mask=mask,
+                past_key_values=cache,
+                use_cache=True,
+                return_dict=True,
+                **kwargs,
+            )
         logits = out.logits
         if logits_to_keep == 1 and logits.shape[1] != 1:
             logits = logits[:, -1:]
         return logits
 
-    def _prefill(self, input_ids, position_ids, pad, capacity: int) -> torch.Tensor:
-        """Build ``self.cache`` and fill it with the prompt in chunks; returns the last logits ``[B, 1, V]``."""
+    def _prefill(self, input_ids, position_ids, pad, capacity: int, max_capacity: int | None = None) -> torch.Tensor:
+        """Build ``self.cache`` with ``capacity`` slots per row (growing up to ``max_capacity``, see
+        :meth:`MagicDecCache.reserve`) and fill it with the prompt in chunks; returns the last
+        logits ``[B, 1, V]``."""
         # No view on the target when gamma is 0 or a separate draft model drafts.
         observe = self.view.observation_window(self.config) if self.config.gamma > 0 and self.drafter is None else 0
         store = _SHARED_PREFILL.get()
-        if store is not None:
-            for entry in store:
-                if entry.matches(input_ids, position_ids, pad, self.chunk, capacity, observe):
-                    self.cache = entry.restore(observe)
-                    return entry.logits.clone()
-        logits = self._compute_prefill(input_ids, position_ids, pad, capacity, observe)
-        if store is not None:
-            store.append(_PrefillEntry(input_ids, position_ids, pad, self.chunk, capacity, observe, self.cache, logits))
+        entry = next((e for e in store or () if e.matches(input_ids, position_ids, pad, self.chunk, capacity, observe)),
+                     None)
+        if entry is not None:
+            self.cache = entry.restore(capacity, observe)
+            self.cache.position_limit = self.gen.max_length
+            logits = entry.logits.clone()
+        else:
+            logits = self._compute_prefill(input_ids, position_ids, pad, capacity, observe)
+            if store is not None:
+                store.append(_PrefillEntry(input_ids, position_ids, pad, self.chunk, observe, self.cache, logits))
+        if max_capacity is not None:
+            self.cache.max_capacity = max(self.cache.capacity, max_capacity)
         return logits
 
     def _compute_prefill(self, input_ids, position_ids, pad, capacity: int, observe: int) -> torch.Tensor:
@@ -288,8 +282,9 @@ class _Engine:
         """Fill a new :class:`MagicDecCache` of ``model`` with the prompt in chunks.
         Returns ``(cache, last logits [B, 1, V])``."""
         batch, prompt = input_ids.shape
-        cache = MagicDecCache(model.config.num_hidden_layers, batch, capacity, pad)
+        cache = MagicDecCache(num_layers(model), batch, capacity, pad)
         cache.observation_window = observe
+        cache.position_limit = self.gen.max_length  # sliding-window layers must cover every position
         slot = torch.arange(prompt, device=input_ids.device)
         for start in range(0, prompt, self.chunk):
             end = min(prompt, start + self.chunk)
@@ -327,7 +322,10 @@ class _Engine:
         pad = _left_padding(attention_mask, batch, device)
         if position_ids is None:
             position_ids = (torch.arange(prompt, device=device)[None, :] - pad[:, None]).clamp(min=0)
-        capacity = prompt + max_new + scratch + 1
+        # The KV cache and the token buffer start at the prompt plus a headroom and grow in chunks,
+        # up to all this call can write (`max_capacity`), as tokens are generated (cache.reserve).
+        max_capacity = prompt + max_new + scratch + 1
+        capacity = initial_capacity(prompt, max_new, scratch)
         rb = RaggedBatch(input_ids, capacity, self.logits_processor, self.stopping_criteria, pad_id)
         stats = SpeculationStats(
             accepted_lengths=[[] for _ in range(batch)],
@@ -355,7 +353,7 @@ class _Engine:
         # ---------------- prefill
         t0 = time.perf_counter()
         self.lockstep.plan_forwards(-(-prompt // self.chunk))
-        logits = self._prefill(input_ids, position_ids, pad, capacity)
+        logits = self._prefill(input_ids, position_ids, pad, capacity, max_capacity)
         first_logits = logits[:, -1].float()
         rows = torch.arange(batch, device=device)
         seq_len = torch.full((batch,), prompt, device=device, dtype=torch.long)  # [B] tokens incl. pending
@@ -407,6 +405,10 @@ class _Engine:
                 self.cache.select_rows(keep_idx)
                 if self.drafter is not None:
                     self.drafter.select_rows(keep_idx)
+            # Room for this step: verify writes KV slots [C, C + gamma + 1) and the next _emit tokens
+            # up to C + gamma + 1 (C: committed length; host-side mirror, no device sync).
+            if self.cache.reserve(self.cache.max_length() + gamma + 2):
+                rb.reserve(self.cache.capacity)
             pending = rb.tokens[rows, seq_len[rows] - 1]
 
             # Draft gamma tokens on the draft view.
@@ -583,31 +585,35 @@ class _Engine:
 
 
 class _PrefillEntry:
-    """A prefilled cache kept by :func:`shared_prefill` (copied out, never handed out itself)."""
+    """A prefilled cache kept by :func:`shared_prefill` (its prompt slots copied out, never handed
+    out itself); restored into a cache of any capacity that holds the prompt."""
 
-    def __init__(self, input_ids, position_ids, pad, chunk, capacity, observe, cache, logits):
+    def __init__(self, input_ids, position_ids, pad, chunk, observe, cache, logits):
         self.input_ids, self.position_ids, self.pad = input_ids.clone(), position_ids.clone(), pad.clone()
-        self.chunk, self.capacity, self.observe = chunk, capacity, observe
+        self.chunk, self.observe = chunk, observe
         self.logits = logits.clone()
+        self.prompt = cache.max_length()
         self.layers = [
-            (layer.keys.clone(), layer.values.clone(),
+            (layer.keys[:, :, : self.prompt].clone(), layer.values[:, :, : self.prompt].clone(),
              None if layer.observed_queries is None else layer.observed_queries.clone(), layer.scaling)
             for layer in cache.layers
         ]
-        self.prompt = cache.max_length()
 
     def matches(self, input_ids, position_ids, pad, chunk, capacity, observe) -> bool:
         return (
-            chunk == self.chunk and capacity <= self.capacity and observe <= self.observe
+            chunk == self.chunk and capacity >= self.prompt and observe <= self.observe
             and input_ids.shape == self.input_ids.shape and torch.equal(input_ids, self.input_ids)
             and torch.equal(position_ids, self.position_ids) and torch.equal(pad, self.pad)
         )
 
-    def restore(self, observe: int) -> MagicDecCache:
-        cache = MagicDecCache(len(self.layers), self.input_ids.shape[0], self.capacity, self.pad.clone())
+    def restore(self, capacity: int, observe: int) -> MagicDecCache:
+        cache = MagicDecCache(len(self.layers), self.input_ids.shape[0], capacity, self.pad.clone())
         cache.observation_window = observe
         for layer, (keys, values, queries, scaling) in zip(cache.layers, self.layers):
-            layer.keys, layer.values = keys.clone(), values.clone()
+            layer.keys = keys.new_zeros((*keys.shape[:2], capacity, keys.shape[-1]))
+            layer.values = values.new_zeros((*values.shape[:2], capacity, values.shape[-1]))
+            layer.keys[:, :, : self.prompt] = keys
+            layer.values[:, :, : self.prompt] = values
             layer.device, layer.dtype, layer.is_initialized = keys.device, keys.dtype, True
             layer.observed_queries = queries[:, :, queries.shape[2] - observe :].clone() if observe else None
             layer.scaling = scaling
@@ -626,6 +632,11 @@ def _left_padding(attention_mask, batch: int, device) -> torch.Tensor:
             "padding or holes. Use tokenizer.padding_side = 'left'."
         )
     return (mask == 0).sum(dim=1)
+
+
+def num_layers(model) -> int:
+    """Decoder layers of ``model`` (composite models keep them in their text config)."""
+    return model.config.get_text_config(decoder=True).num_hidden_layers
 
 
 def _needs_mask_dict(config) -> bool:

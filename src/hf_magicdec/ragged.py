@@ -21,19 +21,29 @@ class RaggedBatch:
     Parameters
     ----------
     input_ids : ``[B, P]`` the (left-padded) prompts.
-    capacity : total slots per row (prompt + new tokens + gamma + 1).
+    capacity : slots per row allocated now (at least the prompt); :meth:`reserve` grows it along
+        with the KV cache.
     logits_processor, stopping_criteria : HF's prepared lists.
     pad_token_id : fill value of unused slots (any token id works; outputs re-pad).
     """
 
     def __init__(self, input_ids, capacity, logits_processor, stopping_criteria, pad_token_id):
         batch, prompt = input_ids.shape
-        self.tokens = input_ids.new_full((batch, capacity), pad_token_id)  # [B, capacity]
+        self.pad_token_id = pad_token_id
+        self.tokens = input_ids.new_full((batch, max(capacity, prompt)), pad_token_id)  # [B, capacity]
         self.tokens[:, :prompt] = input_ids
         self.processors = logits_processor if logits_processor is not None else []
         criteria = list(stopping_criteria) if stopping_criteria is not None else []
         self.generic_criteria = [c for c in criteria if not isinstance(c, (MaxLengthCriteria, EosTokenCriteria))]
         self.has_eos_criteria = any(hasattr(c, "eos_token_id") for c in criteria)
+
+    def reserve(self, capacity: int) -> None:
+        """Make the token buffer hold at least ``capacity`` slots per row (copying what it holds)."""
+        if capacity <= self.tokens.shape[1]:
+            return
+        grown = self.tokens.new_full((self.tokens.shape[0], capacity), self.pad_token_id)
+        grown[:, : self.tokens.shape[1]] = self.tokens
+        self.tokens = grown
 
     def process(self, rows: torch.Tensor, context_len: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
         """Apply the logits processors at ragged positions.

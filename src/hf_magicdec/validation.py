@@ -2,11 +2,22 @@
 
 from __future__ import annotations
 
+import re
 from typing import Any
+
+import torch
 
 #: Model kwargs that ``generate`` prepares and the engine knows how to honour.
 _KNOWN_MODEL_KWARGS = {"attention_mask", "position_ids", "past_key_values", "use_cache", "logits_to_keep", "cache_position"}
 _FULL_LAYER_TYPES = {"full_attention", "sliding_attention"}
+# Layers that carry a running state instead of (or beside) a KV cache: state-space / Mamba mixers,
+# gated delta rules, lightning / linear attention, short convolutions, RNN blocks.
+_RECURRENT_CLASS = re.compile(r"Mamba|Mixer|DeltaNet|DeltaAttention|Lightning|ShortConv|Recurrent|Rwkv|RWKV|xLSTM|"
+                              r"mLSTM|LinearAttention|SSM|Ssm")
+
+
+def _recurrent_layers(model) -> list[str]:
+    return sorted({type(m).__name__ for m in model.modules() if _RECURRENT_CLASS.search(type(m).__name__)})
 
 
 def check_model(model, max_length: int | None = None) -> None:
@@ -19,15 +30,39 @@ def check_model(model, max_length: int | None = None) -> None:
         ``AttentionInterface``; linear-attention / recurrent layers; sliding-window layers whose
         window is shorter than the generation (prompt + new tokens).
     """
-    config = model.config
+    config = model.config.get_text_config(decoder=True)
     name = type(model).__name__
-    if getattr(config, "is_encoder_decoder", False):
+    if getattr(model.config, "is_encoder_decoder", False):
         raise NotImplementedError(f"speculative='magicdec' supports decoder-only models; {name} is encoder-decoder.")
+    recurrent = _recurrent_layers(model)
+    if recurrent:
+        raise NotImplementedError(
+            f"{name} has recurrent or linear-attention layers ({', '.join(recurrent[:4])}): their state is a running "
+            "summary of every token, which can neither be rolled back per row after rejected drafts nor read "
+            "through a compressed draft view. MagicDec supports models whose layers all attend over a KV cache."
+        )
+    bidirectional = [type(m).__name__ for m in model.modules()
+                     if getattr(m, "is_causal", None) is False and hasattr(m, "layer_idx")
+                     and not getattr(m, "is_cross_attention", False)]
+    if bidirectional and getattr(config, "is_decoder", None) is False:
+        raise NotImplementedError(
+            f"{name} attends bidirectionally ({bidirectional[0]}.is_causal=False, config.is_decoder=False), so its "
+            "earlier hidden states change with every new token and cannot be cached for speculation. Load it with "
+            "is_decoder=True to use it as a causal language model."
+        )
     if not getattr(model, "_supports_attention_backend", False):
         raise NotImplementedError(
             f"{name} does not route attention through transformers' AttentionInterface, which MagicDec needs to "
             "attend to the draft view and to verify ragged rows. Supported: Llama, Mistral, Qwen2/3, Gemma, Phi-3 "
             "and other models with `_supports_attention_backend = True`."
+        )
+    from .attention import check_attention_keywords  # attention imports kernels; validation stays light
+
+    check_attention_keywords(model)
+    if model.training and any(isinstance(m, torch.nn.Dropout) and m.p > 0 for m in model.modules()):
+        raise NotImplementedError(
+            f"{name} is in training mode with dropout, so its outputs are random; call model.eval() before "
+            "generating with speculative='magicdec'."
         )
     layer_types = list(getattr(config, "layer_types", None) or [])
     other = sorted(set(layer_types) - _FULL_LAYER_TYPES)

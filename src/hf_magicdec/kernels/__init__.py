@@ -77,16 +77,23 @@ def _triton():
 
 
 def segment_attention(
-    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, segments: Segments, scaling: float
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    segments: Segments,
+    scaling: float,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``[B, H, q, D]`` queries over two key ranges per row of ``[B, Hkv, L, D]`` keys/values;
-    returns ``[B, q, H, Dv]``. See :func:`hf_magicdec.kernels.reference.segment_attention`."""
+    returns ``[B, q, H, Dv]``. ``softcap``: logit soft-capping; ``sinks``: ``[H]`` sink logits.
+    See :func:`hf_magicdec.kernels.reference.segment_attention`."""
     if use_triton(query):
         kernels = _triton()
         group = query.shape[1] // key.shape[1]
         if group * query.shape[2] <= kernels.MAX_PACKED_ROWS:
-            return kernels.segment_attention(query, key, value, segments, scaling)
-    return reference.segment_attention(query, key, value, segments, scaling)
+            return kernels.segment_attention(query, key, value, segments, scaling, softcap, sinks)
+    return reference.segment_attention(query, key, value, segments, scaling, softcap, sinks)
 
 
 def snapkv_mass(queries: torch.Tensor, keys: torch.Tensor, pad: torch.Tensor, scaling: float) -> torch.Tensor:

@@ -18,6 +18,8 @@ def gqa_attention(
     value: torch.Tensor,
     mask: torch.Tensor | None,
     scaling: float | None,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Grouped-query attention without copying KV.
 
@@ -25,13 +27,20 @@ def gqa_attention(
     ----------
     query : ``[B, H, q, D]``
     key, value : ``[B, Hkv, L, D]`` with ``H % Hkv == 0``
-    mask : ``[B, 1, q, L]`` bool (True = attend) or None (attend everywhere)
+    mask : ``[B, 1, q, L]`` bool (True = attend), or additive float (0 / -inf, biases), or None
+        (attend everywhere)
     scaling : softmax scale (None: 1/√D)
+    softcap : logit soft-capping (Gemma 2): logits ``s`` become ``softcap · tanh(s / softcap)``
+        before the mask is applied; None = off.
+    sinks : ``[H]`` attention-sink logits (gpt-oss ``s_aux``): one extra logit per query head in
+        the softmax denominator, attending to nothing; None = off.
 
     Returns
     -------
     ``[B, q, H, D]`` (the layout HF attention functions return).
     """
+    if softcap is not None or sinks is not None:
+        return _explicit_attention(query, key, value, mask, scaling, softcap, sinks)
     batch, heads, q_len, head_dim = query.shape
     kv_heads = key.shape[1]
     group = heads // kv_heads
@@ -42,14 +51,60 @@ def gqa_attention(
         return out.transpose(1, 2).contiguous()
     # [B, Hkv*g, q, D] -> [B, Hkv, g*q, D]: query head h = kv*g + j serves KV head kv.
     folded = query.reshape(batch, kv_heads, group * q_len, head_dim)
-    if mask is not None and q_len > 1:
-        mask = mask[:, :, None].expand(-1, -1, group, -1, -1).reshape(batch, mask.shape[1], group * q_len, -1)
-    out = F.scaled_dot_product_attention(folded, key, value, attn_mask=mask, scale=scaling)
+    out = F.scaled_dot_product_attention(folded, key, value, attn_mask=_fold_mask(mask, group), scale=scaling)
+    return out.reshape(batch, heads, q_len, -1).transpose(1, 2).contiguous()
+
+
+def _fold_mask(mask: torch.Tensor | None, group: int) -> torch.Tensor | None:
+    """``[B, 1|H, q, L]`` mask for the folded ``[B, Hkv, g*q, L]`` logits."""
+    if mask is None or group == 1:
+        return mask
+    batch, mask_heads, q_len, length = mask.shape
+    if mask_heads == 1:
+        if q_len == 1:
+            return mask  # broadcasts over the g*q rows
+        return mask[:, :, None].expand(-1, -1, group, -1, -1).reshape(batch, 1, group * q_len, length)
+    # A per-head mask (biases): head h = kv*g + j lands on folded row j*q + i of KV head kv.
+    return mask.reshape(batch, mask_heads // group, group * q_len, length)
+
+
+def _explicit_attention(query, key, value, mask, scaling, softcap, sinks) -> torch.Tensor:
+    """Soft-capped and/or sink attention, in the order of the models' own eager code: scale,
+    cap, mask, softmax over [keys | sink], drop the sink. GQA folded as in :func:`gqa_attention`."""
+    batch, heads, q_len, head_dim = query.shape
+    kv_heads = key.shape[1]
+    group = heads // kv_heads
+    scaling = head_dim**-0.5 if scaling is None else scaling
+    folded = query.reshape(batch, kv_heads, group * q_len, head_dim)
+    logits = torch.matmul(folded, key.transpose(-1, -2)) * scaling  # [B, Hkv, g*q, L]
+    if softcap is not None:
+        logits = torch.tanh(logits / softcap) * softcap
+    mask = _fold_mask(mask, group)
+    if mask is not None:
+        if mask.dtype == torch.bool:
+            logits = logits.masked_fill(~mask, float("-inf"))
+        else:
+            logits = logits + mask
+    if sinks is None:
+        probs = torch.softmax(logits, dim=-1, dtype=torch.float32).to(value.dtype)
+    else:
+        # Row j*q + i of KV head kv belongs to query head kv*g + j.
+        sink = sinks.to(logits.dtype).reshape(1, kv_heads, group, 1, 1).expand(batch, -1, -1, q_len, 1)
+        combined = torch.cat([logits, sink.reshape(batch, kv_heads, group * q_len, 1)], dim=-1)
+        combined = combined - combined.amax(dim=-1, keepdim=True)
+        probs = torch.softmax(combined, dim=-1, dtype=combined.dtype)[..., :-1].to(value.dtype)
+    out = torch.matmul(probs, value)  # [B, Hkv, g*q, Dv]
     return out.reshape(batch, heads, q_len, -1).transpose(1, 2).contiguous()
 
 
 def segment_attention(
-    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, segments: Segments, scaling: float
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    segments: Segments,
+    scaling: float,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of a short query block over two key ranges per row.
 
@@ -59,13 +114,14 @@ def segment_attention(
     key : ``[B, Hkv, L, D]``, value ``[B, Hkv, L, Dv]`` with ``H % Hkv == 0``
     segments : the ranges each row attends to (:class:`Segments`).
     scaling : softmax scale.
+    softcap, sinks : logit soft-capping and attention sinks, as in :func:`gqa_attention`.
 
     Returns
     -------
     ``[B, q, H, Dv]`` in the query's dtype.
     """
     mask = segments.to(query.device).mask(query.shape[2], key.shape[2])
-    return gqa_attention(query, key, value, mask, scaling)
+    return gqa_attention(query, key, value, mask, scaling, softcap, sinks)
 
 
 def snapkv_mass(

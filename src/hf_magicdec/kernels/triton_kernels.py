@@ -36,16 +36,17 @@ MAX_PACKED_ROWS = 128
 
 @triton.jit
 def _segment_attention_kernel(
-    Q, K, V, Out, PartO, PartM, PartL,
+    Q, K, V, Out, PartO, PartM, PartL, Sinks,
     Lo1, Hi1, Lo2, Hi2,
     stride_qb, stride_qh, stride_qq, stride_qd,
     stride_kb, stride_kh, stride_kl, stride_kd,
     stride_vb, stride_vh, stride_vl, stride_vd,
     stride_ob, stride_oq, stride_oh, stride_od,
-    kv_heads, kv_len, keys_per_split, scaling,
+    kv_heads, kv_len, keys_per_split, scaling, softcap,
     Q_LEN: tl.constexpr, GROUP: tl.constexpr, HEAD_D: tl.constexpr, HEAD_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     NUM_SPLITS: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr,
+    SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr,
 ):
     pid_bh = tl.program_id(0)
     pid_s = tl.program_id(1)
@@ -92,6 +93,8 @@ def _segment_attention_kernel(
         else:
             s = tl.dot(q, k)
         s = s * scaling
+        if SOFTCAP:
+            s = softcap * _tanh(s / softcap)
         in1 = (cols >= lo1) & (cols < hi1)
         in2 = (cols[None, :] >= lo2) & (cols[None, :] < hi2 - shift[:, None])
         valid = (in1[None, :] | in2) & col_ok[None, :] & row_ok[:, None]
@@ -115,6 +118,8 @@ def _segment_attention_kernel(
         m_i = m_new
 
     if NUM_SPLITS == 1:
+        if HAS_SINKS:
+            m_i, l_i, acc = _add_sink(Sinks, head, row_ok, m_i, l_i, acc)
         out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
         tl.store(
             Out + b * stride_ob + qi[:, None] * stride_oq + head[:, None] * stride_oh + dv[None, :] * stride_od,
@@ -129,12 +134,32 @@ def _segment_attention_kernel(
 
 
 @triton.jit
+def _tanh(x):
+    # tanh from exp (portable across backends and the interpreter); exp(-2|x|) never overflows.
+    t = tl.exp(-2.0 * tl.abs(x))
+    y = (1.0 - t) / (1.0 + t)
+    return tl.where(x < 0, -y, y)
+
+
+@triton.jit
+def _add_sink(Sinks, head, row_ok, m_i, l_i, acc):
+    """Fold one sink logit per query head into an online softmax state: it joins the
+    denominator and contributes no value (gpt-oss ``s_aux``)."""
+    sink = tl.load(Sinks + head, mask=row_ok, other=float("-inf")).to(tl.float32)
+    m_new = tl.maximum(m_i, sink)
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp(m_i - m_safe)
+    l_new = l_i * alpha + tl.exp(sink - m_safe)
+    return m_new, l_new, acc * alpha[:, None]
+
+
+@triton.jit
 def _merge_splits_kernel(
-    PartO, PartM, PartL, Out,
+    PartO, PartM, PartL, Out, Sinks,
     stride_ob, stride_oq, stride_oh, stride_od,
     kv_heads,
     Q_LEN: tl.constexpr, GROUP: tl.constexpr, HEAD_DV: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_DV: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_DV: tl.constexpr, NUM_SPLITS: tl.constexpr, HAS_SINKS: tl.constexpr,
 ):
     pid_bh = tl.program_id(0)
     b = pid_bh // kv_heads
@@ -152,10 +177,12 @@ def _merge_splits_kernel(
         w = tl.exp(tl.load(PartM + (base + i) * BLOCK_M + rows) - m_safe)
         denom += w * tl.load(PartL + (base + i) * BLOCK_M + rows)
         acc += w[:, None] * tl.load(PartO + ((base + i) * BLOCK_M + rows[:, None]) * BLOCK_DV + dv[None, :])
-    out = acc / tl.where(denom == 0.0, 1.0, denom)[:, None]
     row_ok = rows < GROUP * Q_LEN
     head = kvh * GROUP + rows // Q_LEN
     qi = rows % Q_LEN
+    if HAS_SINKS:
+        m_max, denom, acc = _add_sink(Sinks, head, row_ok, m_safe, denom, acc)
+    out = acc / tl.where(denom == 0.0, 1.0, denom)[:, None]
     tl.store(
         Out + b * stride_ob + qi[:, None] * stride_oq + head[:, None] * stride_oh + dv[None, :] * stride_od,
         out.to(Out.dtype.element_ty),
@@ -177,8 +204,10 @@ def default_splits(programs: int, kv_len: int, block_n: int, device: torch.devic
     return min(most, 4)  # interpreter: exercise the merge on small shapes too
 
 
-def segment_attention(query, key, value, segments, scaling: float, num_splits: int | None = None) -> torch.Tensor:
-    """Triton twin of :func:`hf_magicdec.kernels.reference.segment_attention` (same contract).
+def segment_attention(query, key, value, segments, scaling: float, softcap: float | None = None,
+                      sinks: torch.Tensor | None = None, num_splits: int | None = None) -> torch.Tensor:
+    """Triton twin of :func:`hf_magicdec.kernels.reference.segment_attention` (same contract,
+    soft-capping and sinks included).
 
     ``num_splits`` overrides the key-axis split count (tests use it to hit both code paths).
     """
@@ -199,19 +228,22 @@ def segment_attention(query, key, value, segments, scaling: float, num_splits: i
     else:
         part_o = part_m = part_l = out  # unused
     seg = segments.to(query.device)
+    sink_ptr = sinks.to(device=query.device, dtype=torch.float32).contiguous() if sinks is not None else out
     _segment_attention_kernel[(programs, splits)](
-        query, key, value, out, part_o, part_m, part_l,
+        query, key, value, out, part_o, part_m, part_l, sink_ptr,
         seg.lo1, seg.hi1, seg.lo2, seg.hi2,
         *query.stride(), *key.stride(), *value.stride(), *out.stride(),
-        kv_heads, kv_len, keys_per_split, float(scaling),
+        kv_heads, kv_len, keys_per_split, float(scaling), float(softcap or 1.0),
         Q_LEN=q_len, GROUP=group, HEAD_D=head_dim, HEAD_DV=head_dv,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, BLOCK_DV=block_dv,
         NUM_SPLITS=splits, IEEE=query.dtype == torch.float32, UPCAST=_UPCAST_DOTS and query.dtype != torch.float32,
+        SOFTCAP=softcap is not None, HAS_SINKS=sinks is not None,
     )
     if splits > 1:
         _merge_splits_kernel[(programs,)](
-            part_o, part_m, part_l, out, *out.stride(), kv_heads,
+            part_o, part_m, part_l, out, sink_ptr, *out.stride(), kv_heads,
             Q_LEN=q_len, GROUP=group, HEAD_DV=head_dv, BLOCK_M=block_m, BLOCK_DV=block_dv, NUM_SPLITS=splits,
+            HAS_SINKS=sinks is not None,
         )
     return out
 
