@@ -22,7 +22,7 @@ $(VENV)/.installed: pyproject.toml Makefile
 	touch $@
 
 demo: install
-	$(OFFLINE) $(BIN)/python -m hf_magicdec.demo
+	$(OFFLINE) $(BIN)/python -m hf_magicdec_bench.demo
 
 # TRITON_INTERPRET=1: the Triton kernels' tests run on CPU through Triton's interpreter.
 test: install

@@ -23,7 +23,7 @@ import time
 import torch
 
 import hf_magicdec  # noqa: F401  (the import enables generate(speculative=...))
-from hf_magicdec import data, models
+from hf_magicdec_bench import data, models
 
 
 def int_or_auto(text: str):
@@ -45,7 +45,7 @@ def ragged_batch(ids: torch.Tensor, pad_id: int, ragged: bool) -> tuple[torch.Te
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2-135m", help="offline name, Hub id or local directory")
-    ap.add_argument("--text", default="auto", help="auto | shakespeare | pg19 | kjv | austen | files:<glob> ...")
+    ap.add_argument("--text", default="auto", help="auto | shakespeare | pg19 | paulgraham | files:<glob>")
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--context", type=int, default=4096, help="longest prompt, tokens")
     ap.add_argument("--new-tokens", type=int, default=128)

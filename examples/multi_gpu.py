@@ -30,8 +30,9 @@ import tempfile
 import torch
 
 import hf_magicdec  # noqa: F401  (the import enables generate(speculative=...))
-from hf_magicdec import MagicDecConfig, distributed, models
+from hf_magicdec import MagicDecConfig, distributed
 from hf_magicdec.placement import plan_device_map
+from hf_magicdec_bench import models
 
 
 def _tiny_checkpoint(directory: str) -> str:
@@ -81,7 +82,7 @@ def _prompts(args, tokenizer, vocab: int) -> torch.Tensor:
     if tokenizer is None:
         g = torch.Generator().manual_seed(0)
         return torch.randint(3, vocab, (args.batch, args.context), generator=g)
-    from hf_magicdec import data
+    from hf_magicdec_bench import data
 
     return data.prompt_batch(tokenizer, args.batch, args.context)
 

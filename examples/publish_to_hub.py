@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 
 import hf_magicdec
-from hf_magicdec import models
+from hf_magicdec_bench import models
 
 #: Where users get the package (it is not on PyPI yet).
 INSTALL = "pip install git+https://github.com/hf-magicdec/hf-magicdec"

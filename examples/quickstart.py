@@ -17,7 +17,7 @@ import sys
 import torch
 
 import hf_magicdec  # the import enables generate(speculative=...)
-from hf_magicdec import data, models
+from hf_magicdec_bench import data, models
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -25,7 +25,7 @@ import sys
 import torch
 
 import hf_magicdec  # noqa: F401  (the import enables generate(speculative=...))
-from hf_magicdec import data, models
+from hf_magicdec_bench import data, models
 
 
 def main(argv: list[str] | None = None) -> int:

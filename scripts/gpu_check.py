@@ -183,7 +183,7 @@ def stock_decode_step(model, batch, context, device, repeats) -> float:
 
 
 def model_ratios(name, layers, batches, contexts, device, dtype, repeats, smoke) -> list[dict]:
-    from hf_magicdec.costmodel.calibrate import measure_steps
+    from hf_magicdec.step_timing import measure_steps
 
     model = build_model(name, layers, dtype, device, smoke)
     rows = []

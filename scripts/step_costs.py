@@ -23,8 +23,8 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 import torch
 from transformers import DynamicCache
 
-from hf_magicdec import data, models
-from hf_magicdec.costmodel.calibrate import measure_steps
+from hf_magicdec.step_timing import measure_steps
+from hf_magicdec_bench import data, models
 
 
 def median_time(fn, repeats):

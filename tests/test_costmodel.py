@@ -30,7 +30,6 @@ from hf_magicdec.costmodel import (
     verify_step,
 )
 from hf_magicdec.costmodel import calibrate as cal
-from hf_magicdec.costmodel import cli
 
 CONFIGS = Path(__file__).parent / "configs"
 LLAMA = json.loads((CONFIGS / "llama-3.1-8b.json").read_text())
@@ -415,7 +414,7 @@ def test_valid_candidates_match_magicdec_config():
 
 
 def test_pure_modules_do_not_import_torch():
-    package = Path(cli.__file__).parent
+    package = Path(cal.__file__).parent
     for path in package.glob("*.py"):
         if path.name in ("calibrate.py",):
             continue
@@ -504,41 +503,6 @@ def test_calibration_path_under_cache_root(monkeypatch, tmp_path):
     assert spec.key() == spec.with_dtype("fp32").key()  # the shape hash ignores the dtype
 
 
-# ------------------------------------------------------------------------------------- CLI
-
-
-def test_cli_plan_from_config_json(tmp_path, capsys):
-    config = tmp_path / "config.json"
-    config.write_text(json.dumps(LLAMA))
-    png = tmp_path / "grid.png"
-    code = cli.main(["--model", str(config), "--batch", "64", "--prompt-len", "32768", "--new-tokens", "128",
-                     "--hardware", "h100", "--tp", "8", "--no-calibrate", "--grid-batches", "1,8,64",
-                     "--grid-contexts", "1024,32768", "--plot", str(png)])
-    out = capsys.readouterr().out
-    assert code == 0
-    assert "speculate" in out and "runner-ups" in out and "batch \\ context" in out
-    assert png.is_file() and png.stat().st_size > 1000
-
-
-def test_cli_json_and_errors(tmp_path, capsys):
-    config = tmp_path / "config.json"
-    config.write_text(json.dumps(QWEN))
-    assert cli.main(["--model", str(config), "--hardware", "l40s", "--no-calibrate", "--json",
-                     "--grid-batches", "1", "--grid-contexts", "1024"]) == 0
-    data = json.loads(capsys.readouterr().out)
-    assert data["batch_size"] == 8 and "runner_ups" in data
-    assert cli.main(["--model", str(tmp_path / "missing"), "--no-calibrate"]) == 2
-    assert cli.main(["--model", str(config), "--batch", "0", "--no-calibrate"]) == 2
-    with pytest.raises(SystemExit):
-        cli.main(["--model", str(config), "--hardware", "tpu"])
-
-
-def test_cli_is_the_plan_subcommand():
-    from hf_magicdec.cli import COMMANDS
-
-    assert COMMANDS["plan"][0] == cli.__name__
-
-
 # ------------------------------------------------------------------------------------- calibration smoke
 
 
@@ -548,19 +512,21 @@ def test_calibrate_smoke_on_tiny_model(tmp_path):
     """Real forwards of a tiny random-weight model through the engine: a few seconds."""
     from conftest import make_model
 
+    from hf_magicdec import step_timing
+
     model = make_model("llama-gqa3")
-    steps = cal.measure_steps(model, 2, 96, gammas=(1, 3), budgets=(32, 64), repeats=1)
+    steps = step_timing.measure_steps(model, 2, 96, gammas=(1, 3), budgets=(32, 64), repeats=1)
     assert steps.t_target > 0 and set(steps.t_verify) == {1, 3} and set(steps.t_draft) == {32, 64}
     assert [m.kind for m in steps.measurements()] == ["target", "verify", "verify", "draft", "draft"]
-    result = cal.calibrate(model, name="tiny", points=((1, 64), (2, 96)), gammas=(1, 3), budgets=(32,),
+    result = step_timing.calibrate(model, name="tiny", points=((1, 64), (2, 96)), gammas=(1, 3), budgets=(32,),
                            repeats=1, passes=1, cache_dir=tmp_path)
     assert result.bandwidth > 0 and result.flops > 0 and result.overhead >= 0
     assert len(result.measurements) == 2 * 4
     path = cal.calibration_path("tiny", result.spec, result.device, result.dtype, tmp_path)
     assert path.is_file()
     # Cached: the second call reads the file instead of measuring.
-    assert cal.calibrate(model, name="tiny", cache_dir=tmp_path) == result
-    alpha = cal.probe_acceptance(model, draft="streamingllm", budget=32, gamma=2, context=64, new_tokens=8)
+    assert step_timing.calibrate(model, name="tiny", cache_dir=tmp_path) == result
+    alpha = step_timing.probe_acceptance(model, draft="streamingllm", budget=32, gamma=2, context=64, new_tokens=8)
     assert 0.0 <= alpha <= 1.0
     with pytest.raises(ValueError, match="budget"):
-        cal.probe_acceptance(model, budget=64, context=64)
+        step_timing.probe_acceptance(model, budget=64, context=64)

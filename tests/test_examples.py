@@ -171,12 +171,12 @@ def _resolve(dotted: str):
 
 
 def test_docs_name_only_existing_things():
-    from hf_magicdec.cli import COMMANDS
+    from hf_magicdec_bench.cli import COMMANDS
 
     names, commands = set(), set()
     for page in CHECKED_PAGES:
         text = page.read_text(encoding="utf-8")
-        names |= {n.rstrip(".") for n in re.findall(r"\bhf_magicdec(?:\.[A-Za-z_][A-Za-z0-9_]*)+", text)}
+        names |= {n.rstrip(".") for n in re.findall(r"\bhf_magicdec(?:_bench)?(?:\.[A-Za-z_][A-Za-z0-9_]*)+", text)}
         commands |= set(re.findall(r"(?:^|`)hf-magicdec ([a-z]+)\b", text, re.M))  # commands, not prose
     missing = []
     for name in sorted(names):

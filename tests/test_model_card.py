@@ -148,7 +148,7 @@ def test_docs_snippet_is_the_card_snippet():
 @pytest.mark.slow
 def test_card_snippet_runs_on_a_published_real_model(tmp_path):
     """examples/publish_to_hub.py on SmolLM2-135M, then the card's snippet as a user runs it."""
-    from hf_magicdec import data
+    from hf_magicdec_bench import data
 
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
     out_dir = tmp_path / "smollm2-magicdec"

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hf_magicdec import data, models
+from hf_magicdec_bench import data, models
 
 pytestmark = pytest.mark.slow
 

@@ -14,20 +14,18 @@ from typing import Any
 #: Method names accepted by ``generate(speculative=...)``.
 SPECULATIVE_METHODS = ("magicdec",)
 
-#: A field left to the planner (:func:`hf_magicdec.plan`).
-AUTO = "auto"
-
-# Used when only some fields are left to the planner and it has no candidate (prompt shorter
-# than every budget it considers), and by scripts that want a fixed, known configuration.
-DEFAULT_DRAFT = "streamingllm"
-DEFAULT_BUDGET = 256
-DEFAULT_GAMMA = 3
-DEFAULT_SINK_TOKENS = 16
-DEFAULT_WINDOW = 32
-DEFAULT_PAGE_SIZE = 16
-DEFAULT_PREFILL_CHUNK = 1024
-DEFAULT_MAX_GAMMA = 8
-MAX_GAMMA = 32
+from .defaults import (  # noqa: F401  (re-exported: part of this module's public names)
+    AUTO,
+    DEFAULT_BUDGET,
+    DEFAULT_DRAFT,
+    DEFAULT_GAMMA,
+    DEFAULT_MAX_GAMMA,
+    DEFAULT_PAGE_SIZE,
+    DEFAULT_PREFILL_CHUNK,
+    DEFAULT_SINK_TOKENS,
+    DEFAULT_WINDOW,
+    MAX_GAMMA,
+)
 
 
 def _is_int(value: Any) -> bool:

@@ -13,7 +13,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, Iterable
 
-from ..config import DEFAULT_PAGE_SIZE, DEFAULT_SINK_TOKENS, DEFAULT_WINDOW, MAX_GAMMA
+from ..defaults import DEFAULT_PAGE_SIZE, DEFAULT_SINK_TOKENS, DEFAULT_WINDOW, MAX_GAMMA
 from ._checks import check_int
 from .acceptance import AcceptanceLike
 from .hardware import HardwareSpec, get_hardware
@@ -126,7 +126,9 @@ class Plan:
         ValueError
             If there is no candidate at all.
         """
-        from ..config import MagicDecConfig  # lazy: validation imports the views (torch)
+        # The one upward import of the planner (lazy: the config validates through the views,
+        # which need torch); listed as such in .importlinter. Prefer config_kwargs() in library code.
+        from ..config import MagicDecConfig
 
         return MagicDecConfig(**self.config_kwargs())
 
@@ -214,7 +216,7 @@ def plan(
     drafts, budgets, gammas :
         The search space.
     calibration : Calibration, optional
-        Fitted device (:func:`hf_magicdec.costmodel.calibrate.calibrate`); replaces
+        Fitted device (:func:`hf_magicdec.step_timing.calibrate`); replaces
         ``hardware``'s rates and overhead.
     tp : int
         Tensor-parallel degree.

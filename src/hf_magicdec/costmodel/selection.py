@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import math
 
-from ..config import DEFAULT_PAGE_SIZE
+from ..defaults import DEFAULT_PAGE_SIZE
 from ._checks import check_int
 from .hardware import HardwareSpec
 from .modelspec import ModelSpec

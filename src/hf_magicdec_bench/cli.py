@@ -4,8 +4,8 @@
     hf-magicdec acceptance ...  acceptance rate over draft views x budgets x contexts
     hf-magicdec plan  ...   the cost model's choice of draft view, budget and gamma
 
-Each subcommand lives in its own module (``hf_magicdec.bench``, ``hf_magicdec.costmodel.cli``)
-and is imported only when used, so ``hf-magicdec plan`` never imports torch.
+Each subcommand lives in its own module (``hf_magicdec_bench.bench``, ``hf_magicdec_bench.plan``)
+and is imported only when used.
 """
 
 from __future__ import annotations
@@ -15,9 +15,9 @@ import sys
 
 #: subcommand -> (module with ``main(argv) -> int``, one-line help)
 COMMANDS = {
-    "bench": ("hf_magicdec.bench", "benchmark speculative decoding against stock generate"),
-    "acceptance": ("hf_magicdec.bench.acceptance", "acceptance over draft views x budgets x contexts (shared prefill)"),
-    "plan": ("hf_magicdec.costmodel.cli", "print the planner's choice and a predicted-speedup grid"),
+    "bench": ("hf_magicdec_bench.bench", "benchmark speculative decoding against stock generate"),
+    "acceptance": ("hf_magicdec_bench.bench.acceptance", "acceptance over draft views x budgets x contexts (shared prefill)"),
+    "plan": ("hf_magicdec_bench.plan", "print the planner's choice and a predicted-speedup grid"),
 }
 
 

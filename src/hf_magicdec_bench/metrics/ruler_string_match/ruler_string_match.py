@@ -3,12 +3,12 @@
 Load it by path (Hub metric names need the network)::
 
     import evaluate
-    metric = evaluate.load("<site-packages>/hf_magicdec/metrics/ruler_string_match", config_name="all")
+    metric = evaluate.load("<site-packages>/hf_magicdec_bench/metrics/ruler_string_match", config_name="all")
     metric.compute(predictions=["The number is 42."], references=[["42"]])   # {'score': 100.0}
 
-or with :func:`hf_magicdec.ruler.load_metric`.  This file is self-contained (it is
+or with :func:`hf_magicdec_bench.ruler.load_metric`.  This file is self-contained (it is
 copied into evaluate's module cache and imported on its own) and must agree with
-:func:`hf_magicdec.ruler.string_match_all` / ``string_match_part`` (a test checks it).
+:func:`hf_magicdec_bench.ruler.string_match_all` / ``string_match_part`` (a test checks it).
 """
 
 import re

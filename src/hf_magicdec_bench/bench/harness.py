@@ -189,7 +189,7 @@ def _git_revision() -> str | None:
 def device_name(device: torch.device) -> str:
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
-    from ..costmodel.calibrate import cpu_name
+    from hf_magicdec.costmodel.calibrate import cpu_name
 
     return f"{cpu_name()} ({torch.get_num_threads()} threads)"
 
@@ -198,7 +198,7 @@ def environment(device: torch.device) -> dict:
     """What a reader needs to reproduce or judge a number."""
     import transformers
 
-    from .. import __version__
+    from hf_magicdec import __version__
 
     return {
         "device": device_name(device),

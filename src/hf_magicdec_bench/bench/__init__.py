@@ -1,4 +1,4 @@
-"""``hf-magicdec bench`` / ``python -m hf_magicdec.bench``: decode speedup, acceptance and tokens
+"""``hf-magicdec bench`` / ``python -m hf_magicdec_bench.bench``: decode speedup, acceptance and tokens
 per step of ``speculative="magicdec"`` against stock ``model.generate``, on a real model and real
 long text, side by side in one process on the same prompts.
 

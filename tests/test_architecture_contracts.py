@@ -1,0 +1,44 @@
+"""The package's layering holds: import-linter contracts (``.importlinter``) and a library that
+imports and generates with the tooling package made unimportable."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_import_contracts_kept():
+    from importlinter.cli import lint_imports
+
+    assert lint_imports(config_filename=str(ROOT / ".importlinter")) == 0, "an import contract is broken (see above)"
+
+
+def test_library_works_without_the_tooling():
+    """``hf_magicdec`` imports and generates with ``hf_magicdec_bench`` blocked."""
+    code = textwrap.dedent(
+        """
+        import sys
+        sys.modules["hf_magicdec_bench"] = None  # any import of the tooling now raises ImportError
+        import torch
+        import hf_magicdec
+        from transformers import LlamaConfig, LlamaForCausalLM
+        torch.manual_seed(0)
+        model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
+                                             num_hidden_layers=1, num_attention_heads=2,
+                                             num_key_value_heads=1)).eval()
+        ids = torch.randint(3, 64, (2, 12))
+        kwargs = dict(input_ids=ids, max_new_tokens=6, do_sample=False, pad_token_id=0)
+        out = model.generate(**kwargs, speculative="magicdec", draft="streamingllm", draft_budget=8,
+                             sink_tokens=2, gamma=2)
+        assert torch.equal(out, model.generate(**kwargs))
+        plan = hf_magicdec.plan(model, batch_size=2, prompt_len=12, new_tokens=6)
+        assert not any(name.startswith("hf_magicdec_bench") for name in sys.modules if sys.modules[name])
+        print("ok")
+        """
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-3000:]
