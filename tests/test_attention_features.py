@@ -209,6 +209,8 @@ def test_unknown_runtime_keyword_refused():
     with pytest.raises(NotImplementedError, match="sliding window"):
         attention.magicdec_attention_forward(module, query, key, value, None, magicdec_cache=Cache(),
                                              sliding_window=64)
+    attention.magicdec_attention_forward(module, query, key, value, None, magicdec_cache=Cache(),
+                                         sliding_window=100)  # the whole generation fits: honoured
 
 
 def test_training_mode_with_dropout_refused():

@@ -530,3 +530,13 @@ def test_calibrate_smoke_on_tiny_model(tmp_path):
     assert 0.0 <= alpha <= 1.0
     with pytest.raises(ValueError, match="budget"):
         step_timing.probe_acceptance(model, budget=64, context=64)
+
+
+def test_measure_steps_on_a_sliding_window_model():
+    """Timing caches carry no generation length: a model with a sliding window can be timed."""
+    from conftest import make_model
+    from hf_magicdec import step_timing
+
+    model = make_model("mistral-mha", sliding_window=64)
+    steps = step_timing.measure_steps(model, 2, 96, gammas=(1,), budgets=(32,), repeats=1)
+    assert steps.t_target > 0 and steps.t_draft[32] > 0

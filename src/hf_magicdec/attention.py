@@ -104,7 +104,8 @@ def magicdec_attention_forward(
     """HF ``AttentionInterface`` function (see ``transformers-seams`` §4).
 
     ``magicdec_cache`` is the engine's :class:`~hf_magicdec.cache.MagicDecCache`, passed down as a
-    forward kwarg. During prefill it records the observation-window queries SnapKV scores with;
+    forward kwarg (or, for models that do not pass kwargs down, found in :data:`ACTIVE_CACHE`,
+    which the engine sets around its forwards in its own thread). During prefill it records the observation-window queries SnapKV scores with;
     during draft and verify it describes each row's key ranges (:class:`~hf_magicdec.kernels.Segments`),
     which the kernels read instead of the 4-D mask. Without it the call is not the engine's, and
     goes to the model's own attention implementation.
@@ -123,8 +124,8 @@ def magicdec_attention_forward(
         raise NotImplementedError(f"{type(module).__name__} is in training mode with attention dropout {dropout}; "
                                   "call model.eval() before generating.")
     if sliding_window is not None:
-        limit = getattr(magicdec_cache, "position_limit", None)
-        if limit is None or limit > sliding_window:
+        limit = getattr(magicdec_cache, "position_limit", None)  # None: a timing cache, no output
+        if limit is not None and limit > sliding_window:
             raise NotImplementedError(
                 f"{type(module).__name__} attends through a sliding window of {sliding_window} tokens and this "
                 f"generation reaches {limit} positions: the window would evict tokens, which MagicDec's cache "
