@@ -136,7 +136,7 @@ def magicdec_attention_forward(
     segments = magicdec_cache.attention_segments(key.device)
     if segments is not None:
         magicdec_cache.before_attention(layer_idx, query, scaling)  # dynamic view / refresh
-        if attention_mask is not None and not _is_engine_mask(attention_mask, segments):
+        if attention_mask is not None and not segments.built(attention_mask):
             # The model rewrote the mask it was given (Doge's dynamic mask adds per-key biases):
             # honour it as stock attention would, provided it still hides every slot the row's key
             # ranges hide (stale drafts, other rows' padding); anything else cannot be right.
@@ -161,13 +161,6 @@ def _check_rewritten_mask(module, mask: torch.Tensor, engine: torch.Tensor) -> N
             "engine hides (stale draft tokens or padding); MagicDec's ragged cache cannot run it. Use stock "
             "generate for this model."
         )
-
-
-def _is_engine_mask(mask: torch.Tensor, segments) -> bool:
-    """True if ``mask`` is (a slice of) the bool mask the engine passed for this forward."""
-    if mask.dtype != torch.bool:
-        return False
-    return any(mask.data_ptr() == m.data_ptr() for m in segments._masks.values())
 
 
 # ---------------------------------------------------------------------- switching, thread-safely

@@ -57,7 +57,7 @@ def grown_capacity(capacity: int, needed: int, limit: int) -> int:
     return max(needed, min(target, limit))
 
 
-def _grown(buffer: torch.Tensor, capacity: int, filled: int) -> torch.Tensor:
+def widened(buffer: torch.Tensor, capacity: int, filled: int) -> torch.Tensor:
     """``buffer [B, H, S, D]`` moved into a new ``[B, H, capacity, D]`` buffer on its device: the
     first ``filled`` slots copied, the rest zero (unwritten slots are read masked; zeros keep masked
     products finite)."""
@@ -215,8 +215,8 @@ class MagicDecCache(Cache):
         for layer in self.layers:
             if not layer.is_initialized or layer.keys.shape[2] == 0:
                 continue
-            layer.keys = _grown(layer.keys, capacity, filled)
-            layer.values = _grown(layer.values, capacity, filled)
+            layer.keys = widened(layer.keys, capacity, filled)
+            layer.values = widened(layer.values, capacity, filled)
         self.capacity = capacity
         self.max_capacity = max(self.max_capacity, capacity)
         self.growths += 1

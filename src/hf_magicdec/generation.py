@@ -25,7 +25,7 @@ import torch
 from transformers.generation.stopping_criteria import StopStringCriteria, StoppingCriteriaList
 
 from . import attention, auto, kernels
-from .cache import MagicDecCache, initial_capacity
+from .cache import MagicDecCache, initial_capacity, widened
 from .config import MagicDecConfig
 from .draft_model import DraftModelDrafter, check_draft_model
 from .distributed import LOCAL, Lockstep, resolve_synced_gpus
@@ -610,10 +610,7 @@ class _PrefillEntry:
         cache = MagicDecCache(len(self.layers), self.input_ids.shape[0], capacity, self.pad.clone())
         cache.observation_window = observe
         for layer, (keys, values, queries, scaling) in zip(cache.layers, self.layers):
-            layer.keys = keys.new_zeros((*keys.shape[:2], capacity, keys.shape[-1]))
-            layer.values = values.new_zeros((*values.shape[:2], capacity, values.shape[-1]))
-            layer.keys[:, :, : self.prompt] = keys
-            layer.values[:, :, : self.prompt] = values
+            layer.keys, layer.values = widened(keys, capacity, self.prompt), widened(values, capacity, self.prompt)
             layer.device, layer.dtype, layer.is_initialized = keys.device, keys.dtype, True
             layer.observed_queries = queries[:, :, queries.shape[2] - observe :].clone() if observe else None
             layer.scaling = scaling

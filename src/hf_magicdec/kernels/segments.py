@@ -62,6 +62,10 @@ class Segments:
             return self
         return Segments(*(t.to(device, non_blocking=True) for t in (self.lo1, self.hi1, self.lo2, self.hi2)))
 
+    def built(self, mask: torch.Tensor) -> bool:
+        """Whether ``mask`` is (a slice of) a mask :meth:`mask` built for this forward."""
+        return mask.dtype == torch.bool and any(mask.data_ptr() == m.data_ptr() for m in self._masks.values())
+
     def mask(self, q_len: int, kv_len: int) -> torch.Tensor:
         """The equivalent ``[B, 1, q, kv_len]`` bool mask (True = attend), built once per shape."""
         hit = self._masks.get((q_len, kv_len))
