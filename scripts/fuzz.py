@@ -214,8 +214,6 @@ def _magicdec_fields(rng, prompt_len: int, new_tokens: int) -> dict:
 
 def _valid(fields: dict) -> bool:
     """What ``MagicDecConfig`` and the view accept (with γ = 1 standing in for ``"auto"``)."""
-    from hf_magicdec.views import get_view
-
     cfg = {k: v for k, v in fields.items() if k != "prefill_chunk_size"}
     try:
         MagicDecConfig(**cfg)
@@ -226,8 +224,8 @@ def _valid(fields: dict) -> bool:
             gamma = 1 if cfg.get("gamma", "auto") == "auto" else cfg["gamma"]
             for draft in drafts:
                 try:
-                    concrete = MagicDecConfig(**{**cfg, "draft": draft, "gamma": gamma})
-                    get_view(concrete.draft).check_config(concrete)
+                    # replace() keeps the options this view has; a resolved config checks the view.
+                    MagicDecConfig(**cfg).replace(draft=draft, gamma=gamma)
                     return True
                 except ValueError:
                     pass

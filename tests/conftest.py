@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
+from typing import ClassVar
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
@@ -22,8 +24,43 @@ from transformers import (
 )
 
 import hf_magicdec  # noqa: F401  (installs the routing)
+from hf_magicdec.views import DraftView, ScoreContext
 
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+
+
+@dataclass(frozen=True)
+class RecentOnly(DraftView):
+    """A user-defined draft view, registered here before collection so that every test
+    parametrised over ``available_views()`` runs it end to end: the static part holds the
+    ``static_tokens`` latest prompt tokens before the rolling window (no sinks); its option
+    ``static_tokens`` is no built-in view's, so routing it exercises the generic option path."""
+
+    name: ClassVar[str] = "recent-only"
+
+    static_tokens: int = 4
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.static_tokens, int) or self.static_tokens < 0:
+            raise ValueError(f"static_tokens must be an int >= 0, got {self.static_tokens!r}.")
+
+    def check(self, budget: int, gamma: int) -> None:
+        super().check(budget, gamma)
+        if self.static_tokens >= budget:
+            raise ValueError(f"recent-only needs draft_budget > static_tokens, got {budget} and {self.static_tokens}.")
+
+    def static_slots(self, budget: int, prompt_len: int) -> int:
+        return self.static_tokens
+
+    def window_slots(self, budget: int, gamma: int, prompt_len: int, max_new_tokens: int) -> int:
+        return budget - self.static_tokens
+
+    def score(self, ctx: ScoreContext) -> torch.Tensor:
+        batch, kv_heads, slots, _ = ctx.keys.shape
+        return torch.arange(slots, device=ctx.keys.device, dtype=torch.float32).expand(batch, kv_heads, slots)
+
+
+hf_magicdec.register_view(RecentOnly)
 
 VOCAB = 128
 PAD, BOS, EOS = 0, 1, 2

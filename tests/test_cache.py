@@ -7,7 +7,7 @@ import torch
 
 from hf_magicdec import MagicDecConfig
 from hf_magicdec.cache import MagicDecCache
-from hf_magicdec.views import get_view, snapkv_scores
+from hf_magicdec.views import snapkv_scores
 
 B, HKV, D = 3, 2, 4
 
@@ -62,7 +62,7 @@ def test_verify_writes_ragged_rows_and_rollback_is_o1():
 def test_streamingllm_view_holds_sinks_and_recent_window():
     cache = _prefilled(prompt=20, pad=(0, 5, 12))
     config = MagicDecConfig(draft="streamingllm", draft_budget=10, sink_tokens=3, gamma=2)
-    cache.build_draft_views(get_view("streamingllm"), config, 20, max_new_tokens=8)
+    cache.build_draft_views(config.view, config, 20, max_new_tokens=8)
     valid = cache.draft_valid()
     for b, pad in enumerate([0, 5, 12]):
         slots = _slots(cache.layers[1].draft_keys)[b, 0, :10].tolist()
@@ -78,7 +78,7 @@ def test_streamingllm_view_holds_sinks_and_recent_window():
 def test_rolling_window_evicts_and_budget_stays_fixed():
     cache = _prefilled(prompt=20, pad=(0, 0, 0), capacity=80)
     config = MagicDecConfig(draft="streamingllm", draft_budget=8, sink_tokens=2, gamma=3)
-    cache.build_draft_views(get_view("streamingllm"), config, 20, max_new_tokens=40)
+    cache.build_draft_views(config.view, config, 20, max_new_tokens=40)
     for step in range(10):
         cache.begin_verify(4)
         start = cache.lengths.clone()
@@ -135,7 +135,7 @@ def test_snapkv_view_selects_top_scored_tokens_without_duplicates():
         layer.observed_queries = torch.randn(B, HKV * 3, 4, D)
         layer.scaling = 0.5
     config = MagicDecConfig(draft="snapkv", draft_budget=10, window=4, gamma=2)
-    cache.build_draft_views(get_view("snapkv"), config, 20, max_new_tokens=8)
+    cache.build_draft_views(config.view, config, 20, max_new_tokens=8)
     valid = cache.draft_valid()
     for b, pad in enumerate([0, 5, 12]):
         for h in range(HKV):
@@ -151,7 +151,7 @@ def test_snapkv_view_selects_top_scored_tokens_without_duplicates():
 def test_select_rows_keeps_state_aligned():
     cache = _prefilled()
     config = MagicDecConfig(draft="streamingllm", draft_budget=10, sink_tokens=3, gamma=2)
-    cache.build_draft_views(get_view("streamingllm"), config, 20, max_new_tokens=8)
+    cache.build_draft_views(config.view, config, 20, max_new_tokens=8)
     before = cache.layers[0].keys[2].clone()
     cache.select_rows(torch.tensor([2, 0]))
     assert cache.num_rows == 2 and cache.pad.tolist() == [12, 0]

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+import hf_magicdec
 from hf_magicdec.costmodel import (
     HardwareSpec,
     ModelSpec,
@@ -23,19 +24,27 @@ from hf_magicdec.costmodel import (
     estimate,
     get_hardware,
     omega,
-    plan,
     resolve_acceptance,
     speedup,
     target_step,
     verify_step,
 )
 from hf_magicdec.costmodel import calibrate as cal
+from hf_magicdec.costmodel import plan as costmodel_plan
+from hf_magicdec.costmodel.planner import DEFAULT_DRAFTS
+from hf_magicdec.views import available_views, get_view
 
 CONFIGS = Path(__file__).parent / "configs"
 LLAMA = json.loads((CONFIGS / "llama-3.1-8b.json").read_text())
 QWEN = json.loads((CONFIGS / "qwen2.5-7b.json").read_text())
 H100 = get_hardware("h100")
 A100 = get_hardware("a100")
+
+
+def plan(model, **kwargs):
+    """The planner over the default views (it takes view objects, never names)."""
+    kwargs.setdefault("drafts", tuple(get_view(name) for name in DEFAULT_DRAFTS))
+    return costmodel_plan(model, **kwargs)
 
 
 def llama_spec() -> ModelSpec:
@@ -395,19 +404,39 @@ def test_plan_rejects_bad_arguments(kwargs, match):
         plan(LLAMA, **args)
 
 
-def test_valid_candidates_match_magicdec_config():
-    from hf_magicdec import MagicDecConfig
-    from hf_magicdec.costmodel.planner import valid_candidate
+def test_plan_takes_view_objects():
+    with pytest.raises(TypeError, match="view objects"):
+        costmodel_plan(LLAMA, batch_size=8, prompt_len=4096, new_tokens=64, drafts=("snapkv",))
+    with pytest.raises(ValueError, match="drafts"):
+        costmodel_plan(LLAMA, batch_size=8, prompt_len=4096, new_tokens=64)
 
-    for draft in ("streamingllm", "snapkv", "dynamic"):
-        for budget in (16, 17, 20, 32, 33, 40, 64, 128, 256):
-            for gamma in (1, 4, 8, 20, 33):
-                try:
-                    MagicDecConfig(draft=draft, draft_budget=budget, gamma=gamma)
-                    ok = True
-                except ValueError:
-                    ok = False
-                assert valid_candidate(draft, budget, gamma) == ok, (draft, budget, gamma)
+
+def test_plan_uses_the_views_geometry():
+    """A candidate exists exactly where its view fits: the planner asks the view, with its options."""
+    wide = get_view("streamingllm", sink_tokens=200)  # fits no budget <= 200
+    p = costmodel_plan(LLAMA, batch_size=64, prompt_len=32768, new_tokens=128, hardware="h100",
+                       drafts=(wide,), budgets=(128, 256), gammas=(2,))
+    assert p.draft_budget == 256 and {e.draft_budget for e in p.runner_ups} <= {256}
+    assert p.draft_options == {"sink_tokens": 200}
+    assert p.to_config() == hf_magicdec.MagicDecConfig(draft=wide, draft_budget=256, gamma=p.gamma)
+    assert json.dumps(p.to_dict())
+    none = costmodel_plan(LLAMA, batch_size=64, prompt_len=32768, new_tokens=128, hardware="h100",
+                          drafts=(wide,), budgets=(128, 200))
+    assert none.draft is None
+
+
+@pytest.mark.parametrize("name", available_views())
+def test_view_fits_agrees_with_config_validation(name):
+    """``view.fits`` (what the planner asks) says yes exactly where ``MagicDecConfig`` validates,
+    for every registered view (the user's from conftest.py included)."""
+    for budget in (1, 16, 17, 20, 32, 33, 40, 64, 128, 256):
+        for gamma in (0, 1, 4, 8, 20, 32, 33):
+            try:
+                hf_magicdec.MagicDecConfig(draft=name, draft_budget=budget, gamma=gamma)
+                ok = True
+            except ValueError:
+                ok = False
+            assert get_view(name).fits(budget, gamma) == ok, (name, budget, gamma)
 
 
 # ------------------------------------------------------------------------------------- pure Python
@@ -426,6 +455,9 @@ def test_pure_modules_do_not_import_torch():
             elif isinstance(node, ast.ImportFrom) and node.module:
                 names = [node.module]
             assert not any(n.split(".")[0] in ("torch", "transformers", "numpy") for n in names), (path.name, names)
+        # Not even lazily: the planner asks the view objects its callers pass.
+        assert not any(isinstance(n, ast.ImportFrom) and (n.module or "").endswith("views")
+                       for n in ast.walk(tree)), path.name
     tree = ast.parse((package / "calibrate.py").read_text())
     assert not any(isinstance(n, (ast.Import, ast.ImportFrom)) and "torch" in ast.dump(n) for n in tree.body)
 

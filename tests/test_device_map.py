@@ -14,7 +14,6 @@ from conftest import EOS, make_model, ragged_prompts
 from hf_magicdec import MagicDecConfig
 from hf_magicdec.cache import MagicDecCache
 from hf_magicdec.placement import cache_bytes_per_layer, plan_device_map
-from hf_magicdec.views import get_view
 
 SPEC = MagicDecConfig(draft="streamingllm", draft_budget=16, gamma=3, sink_tokens=4, prefill_chunk_size=16)
 LAYERS = 4
@@ -95,7 +94,8 @@ def _copies_per_step(meta_layers: int) -> int:
         keys = torch.randn(batch, heads, prompt, dim, device=device)
         layer.update(keys, keys.clone())
     cache.end_prefill(prompt)
-    cache.build_draft_views(get_view("streamingllm"), SPEC.replace(draft_budget=8, sink_tokens=2), prompt, 16)
+    config = SPEC.replace(draft_budget=8, sink_tokens=2)
+    cache.build_draft_views(config.view, config, prompt, 16)
     segments = getattr(cache, "attention_segments", None)  # what the attention kernels read per layer
     with _CountCopiesTo() as counter:
         for begin, tokens in ((lambda: cache.begin_draft(0), 1), (lambda: cache.begin_verify(q), q)):

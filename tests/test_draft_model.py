@@ -161,7 +161,7 @@ def _specs():
 
 
 def test_planner_weighs_the_draft_model_against_self_speculation():
-    from hf_magicdec.costmodel import plan
+    from hf_magicdec import plan  # the costmodel's, with view names resolved
 
     target, small = _specs()
     workload = dict(batch_size=4, prompt_len=8192, new_tokens=256, hardware="h100")

@@ -11,14 +11,21 @@ import pytest
 import torch
 
 from conftest import ARCHS, EOS, ragged_prompts
+from hf_magicdec import available_views
+from hf_magicdec.views import get_view
 
+# Options per view for a budget of 16 (a view not listed runs with its defaults).
 DRAFTS = {
-    # (draft, budget smaller than the prompt, budget larger than the prompt)
     "streamingllm": dict(sink_tokens=4),
     "snapkv": dict(window=8),
     "dynamic": dict(sink_tokens=1, page_size=4, recent_window=7),
     "full": dict(),
+    "recent-only": dict(static_tokens=3),  # the user's view (tests/conftest.py)
 }
+# Every registered view (the user's from conftest.py included), with a budget smaller than the
+# prompt and one larger than prompt + new tokens ("full" has no budget).
+VIEW_CASES = [(d, b) for d in available_views() for b in (("-",) if d == "full" else ("small", "large"))]
+COMPRESSING = [d for d in available_views() if d != "full"]
 
 
 def _assert_same(reference, speculative, context=""):
@@ -31,17 +38,15 @@ def _assert_same(reference, speculative, context=""):
 
 
 @pytest.mark.parametrize("arch", list(ARCHS))
-@pytest.mark.parametrize(
-    "draft,budget",
-    [("streamingllm", "small"), ("streamingllm", "large"), ("snapkv", "small"), ("snapkv", "large"),
-     ("dynamic", "small"), ("dynamic", "large"), ("full", "-")],
-)
+@pytest.mark.parametrize("draft,budget", VIEW_CASES)
 @pytest.mark.parametrize("gamma", [1, 3, 6])
 def test_greedy_identical(tiny_models, arch, draft, gamma, budget):
     model = tiny_models(arch)
     ids, mask = ragged_prompts(batch=4, length=48, seed=gamma)
     # small: the view holds a third of the longest prompt; large: prompt + new tokens fit.
     draft_budget = 16 if budget == "small" else 200
+    if not get_view(draft, **DRAFTS.get(draft, {})).fits(draft_budget, gamma):
+        pytest.skip(f"{draft} with {DRAFTS.get(draft, {})} does not fit budget {draft_budget}, gamma {gamma}")
     kwargs = dict(input_ids=ids, attention_mask=mask, max_new_tokens=24, do_sample=False, eos_token_id=None)
     reference = model.generate(**kwargs)
     out = model.generate(
@@ -51,7 +56,7 @@ def test_greedy_identical(tiny_models, arch, draft, gamma, budget):
         draft_budget=draft_budget,
         gamma=gamma,
         return_dict_in_generate=True,
-        **DRAFTS[draft],
+        **DRAFTS.get(draft, {}),
     )
     _assert_same(reference, out.sequences, f"{arch}/{draft}/gamma={gamma}/{budget}")
     if budget != "small":
@@ -74,7 +79,7 @@ def _eos_for(model, kwargs):
 
 
 @pytest.mark.parametrize("arch", list(ARCHS))
-@pytest.mark.parametrize("draft", ["streamingllm", "snapkv", "dynamic"])
+@pytest.mark.parametrize("draft", COMPRESSING)
 def test_greedy_identical_with_eos_and_processors(tiny_models, arch, draft):
     model = tiny_models(arch)
     ids, mask = ragged_prompts(batch=5, length=40, seed=11)
@@ -94,7 +99,8 @@ def test_greedy_identical_with_eos_and_processors(tiny_models, arch, draft):
     reference = model.generate(**kwargs)
     assert (reference[:, ids.shape[1] :] == eos).any(), "test setup: no row hit EOS"
     for gamma in (1, 4):
-        out = model.generate(**kwargs, speculative="magicdec", draft=draft, draft_budget=20, gamma=gamma, **DRAFTS[draft])
+        out = model.generate(**kwargs, speculative="magicdec", draft=draft, draft_budget=20, gamma=gamma,
+                             **DRAFTS.get(draft, {}))
         _assert_same(reference, out, f"{arch}/{draft}/gamma={gamma}/eos+processors")
 
 

@@ -86,7 +86,7 @@ def test_selected_pages_are_the_true_top_pages_and_never_padding_or_window():
     keys[:, :, -10:] = lure[:, :, None]
     config = MagicDecConfig(draft="dynamic", draft_budget=30, sink_tokens=3, page_size=5, recent_window=10, gamma=2)
     cache = _cache(keys, pad)
-    cache.build_draft_views(get_view("dynamic"), config, prompt, max_new_tokens=8)
+    cache.build_draft_views(config.view, config, prompt, max_new_tokens=8)
     ks, w = cache.static_slots, cache.window_slots
     assert (ks, w) == (3 + 3 * 5, 12)  # 3 sinks + 3 pages; the window takes the rest of the budget
     before = _static_slots(cache).clone()
@@ -116,7 +116,7 @@ def test_refill_follows_the_query_from_step_to_step():
     keys[0, :, 40:44, 1] = 5.0  # and one for +e1
     config = MagicDecConfig(draft="dynamic", draft_budget=16, sink_tokens=0, page_size=4, recent_window=12, gamma=2)
     cache = _cache(keys, [0])
-    cache.build_draft_views(get_view("dynamic"), config, prompt, max_new_tokens=4)
+    cache.build_draft_views(config.view, config, prompt, max_new_tokens=4)
     for axis, needle in ((0, range(20, 24)), (1, range(40, 44)), (0, range(20, 24))):
         query = torch.zeros(1, HKV * GROUP, 1, D)
         query[..., axis] = 1.0
@@ -141,7 +141,7 @@ def test_dynamic_view_retrieves_what_attention_needs():
         cache.begin_prefill(0, prompt)
         cache.update(keys, vals, 0)
         cache.end_prefill(prompt)
-        cache.build_draft_views(get_view(draft), config, prompt, max_new_tokens=4)
+        cache.build_draft_views(config.view, config, prompt, max_new_tokens=4)
         cache.begin_draft(0)
         cache.before_attention(0, query, 1.0)
         layer, n = cache.layers[0], cache.static_slots + cache.window_slots
@@ -171,9 +171,9 @@ def test_dynamic_config_validation():
         MagicDecConfig(draft="dynamic", page_size=0)
     with pytest.raises(ValueError, match="re-selects its view"):
         MagicDecConfig(draft="dynamic", draft_budget=256, gamma=3, refresh_every=8)
-    config = MagicDecConfig(draft="dynamic", draft_budget=256, gamma=3)  # defaults: 16 sinks, pages of 16, window 64
-    view = get_view("dynamic")
-    assert (view.static_slots(config, 4096), view.window_slots(config, 4096, 128)) == (16 + 11 * 16, 64)
+    view = MagicDecConfig(draft="dynamic", draft_budget=256, gamma=3).view  # defaults: 16 sinks, pages of 16
+    assert (view.static_slots(256, 4096), view.window_slots(256, 3, 4096, 128)) == (16 + 11 * 16, 64)
+    assert view == get_view("dynamic") and view.fits(256, 3) and not view.fits(32, 3)
 
 
 def test_dynamic_sampling_is_lossless():
@@ -230,7 +230,7 @@ def test_refresh_reselects_what_recent_queries_attend_to():
     cache.layers[0].scaling = 1.0
     config = MagicDecConfig(draft="snapkv", draft_budget=16, window=4, recent_window=8, pool_kernel=1, gamma=2,
                             refresh_every=3)
-    cache.build_draft_views(get_view("snapkv"), config, prompt, max_new_tokens=16)
+    cache.build_draft_views(config.view, config, prompt, max_new_tokens=16)
     assert cache.refresher is not None and cache.static_slots == 8
     assert _static_slots(cache).sort(-1).values.tolist() == [[list(range(10, 18))] * HKV] * batch
     for step in range(2):
@@ -276,18 +276,25 @@ def test_cost_model_charges_dynamic_selection():
                      vocab=128256)
     hw = get_hardware("h100")
     batch, context, budget = 16, 32768, 512
-    assert selection_seconds(spec, hw, batch, context, budget, "snapkv") == 0.0
-    assert selection_seconds(spec, hw, batch, 400, budget, "dynamic") == 0.0  # the view holds the context
+    snapkv, dynamic = get_view("snapkv"), get_view("dynamic")
+    assert selection_seconds(spec, hw, batch, context, budget, snapkv) == 0.0
+    assert selection_seconds(spec, hw, batch, context, budget, "dynamic") == 0.0  # a name prices a static view
+    assert selection_seconds(spec, hw, batch, 400, budget, dynamic) == 0.0  # the view holds the context
     summaries = 2 * batch * 8 * (context // 16) * 128 * 2
     gather = 4 * batch * 8 * budget * 128 * 2
     want = 32 * (summaries + gather) / hw.bandwidth
-    assert selection_seconds(spec, hw, batch, context, budget, "dynamic") == pytest.approx(want, rel=1e-6)
-    snap = estimate(spec, hw, batch=batch, context=context, draft="snapkv", budget=budget, gamma=3, acceptance=0.8)
-    dyn = estimate(spec, hw, batch=batch, context=context, draft="dynamic", budget=budget, gamma=3, acceptance=0.8)
-    assert dyn.t_draft == pytest.approx(snap.t_draft + want) and dyn.speedup < snap.speedup
-    # The planner knows the name: with equal α it prefers the cheaper static view.
+    assert selection_seconds(spec, hw, batch, context, budget, dynamic) == pytest.approx(want, rel=1e-6)
+    # The view's own page size: pages of 32 halve the summaries read.
+    half = 32 * (summaries / 2 + gather) / hw.bandwidth
+    assert selection_seconds(spec, hw, batch, context, budget, get_view("dynamic", page_size=32)) == pytest.approx(half)
+    snap = estimate(spec, hw, batch=batch, context=context, draft=snapkv, budget=budget, gamma=3, acceptance=0.8)
+    dyn = estimate(spec, hw, batch=batch, context=context, draft=dynamic, budget=budget, gamma=3, acceptance=0.8)
+    assert dyn.draft == "dynamic" and dyn.t_draft == pytest.approx(snap.t_draft + want) and dyn.speedup < snap.speedup
+    # The planner asks the views: with equal α it prefers the cheaper static view.
     p = plan(spec, batch_size=batch, prompt_len=context, new_tokens=128, hardware="h100", acceptance=0.8,
-             drafts=("snapkv", "dynamic"))
+             drafts=(snapkv, dynamic))
     assert p.draft == "snapkv" and any(e.draft == "dynamic" for e in p.runner_ups)
-    only = plan(spec, batch_size=batch, prompt_len=context, new_tokens=128, hardware="h100", drafts=("dynamic",))
-    assert only.draft == "dynamic" and only.to_config().draft == "dynamic"
+    only = plan(spec, batch_size=batch, prompt_len=context, new_tokens=128, hardware="h100",
+                drafts=(get_view("dynamic", page_size=32),))
+    assert only.draft == "dynamic" and only.to_config() == MagicDecConfig(
+        draft="dynamic", draft_budget=only.draft_budget, gamma=only.gamma, page_size=32)

@@ -178,6 +178,7 @@ def resolve(config: MagicDecConfig, model, batch: int, prompt_len: int, new_toke
     if config.is_resolved and not config.adaptive:
         return Resolution(config)
     from .costmodel import draft_step, plan, target_step, verify_step
+    from .costmodel.planner import DEFAULT_DRAFT_MODEL_DRAFTS, DEFAULT_DRAFTS
     from .costmodel.selection import selection_seconds
     from .costmodel.modelspec import ModelSpec
 
@@ -194,8 +195,8 @@ def resolve(config: MagicDecConfig, model, batch: int, prompt_len: int, new_toke
 
     kwargs = dict(batch_size=batch, prompt_len=max(prompt_len, 1), new_tokens=max(new_tokens, 1), hardware=hardware,
                   acceptance=prior_or_observed)
-    if config.draft != AUTO:
-        kwargs["drafts"] = (config.draft,)
+    # The candidate views, with the config's options (an "auto" draft's apply to whichever view has them).
+    kwargs["drafts"] = (config.view,) if config.draft != AUTO else tuple(config.view_for(d) for d in DEFAULT_DRAFTS)
     if config.draft_budget != AUTO:
         kwargs["budgets"] = (config.draft_budget,)
     if config.gamma != AUTO:
@@ -205,8 +206,8 @@ def resolve(config: MagicDecConfig, model, batch: int, prompt_len: int, new_toke
     if draft_model is not None:
         kwargs["draft_model"] = ModelSpec.from_config(draft_model.config, dtype=draft_model.dtype)
         kwargs["self_speculation"] = config.planner_may_decline and config.draft == AUTO
-        if config.draft != AUTO:
-            kwargs["draft_model_drafts"] = (config.draft,)
+        kwargs["draft_model_drafts"] = ((config.view,) if config.draft != AUTO else
+                                        tuple(config.view_for(d) for d in DEFAULT_DRAFT_MODEL_DRAFTS))
     p = plan(spec, **kwargs)
     use_draft_model = p.draft_model is not None
     if config.planner_may_decline and (not p.speculate or p.draft is None):
@@ -233,8 +234,8 @@ def resolve(config: MagicDecConfig, model, batch: int, prompt_len: int, new_toke
     tt = target_step(spec, hardware, batch, context).seconds
     drafter = kwargs["draft_model"] if use_draft_model else spec
     draft_ratio = draft_step(drafter, hardware, batch, context, resolved.draft_budget).seconds / tt
-    draft_ratio += selection_seconds(drafter, hardware, batch, context, resolved.draft_budget, resolved.draft,
-                                     resolved.page_size) / tt  # query-aware views (dynamic)
+    draft_ratio += selection_seconds(drafter, hardware, batch, context, resolved.draft_budget,
+                                     resolved.view) / tt  # query-aware views (dynamic)
     verify_ratio = {g: verify_step(spec, hardware, batch, context, g).seconds / tt
                     for g in range(1, config.max_gamma + 1)}
     return Resolution(resolved, p, draft_ratio, verify_ratio, use_draft_model)
@@ -287,9 +288,10 @@ class GammaController:
         return self.gamma
 
 
-def plan(model_or_config, *, batch_size: int, prompt_len: int, new_tokens: int, hardware=None, **kwargs):
+def plan(model_or_config, *, batch_size: int, prompt_len: int, new_tokens: int, hardware=None, drafts=None,
+         draft_model_drafts=None, **kwargs):
     """The planner's choice for a workload: :func:`hf_magicdec.costmodel.plan` with the device model
-    ``generate`` would use.
+    ``generate`` would use, and draft views given by name or as instances.
 
     Parameters
     ----------
@@ -300,9 +302,12 @@ def plan(model_or_config, *, batch_size: int, prompt_len: int, new_tokens: int, 
     hardware : str, HardwareSpec or None
         None: for a model, its cached calibration on its device, else the preset matching its
         device (as ``generate`` does); for a config, the ``h100`` preset.
+    drafts, draft_model_drafts : iterable of str or DraftView, optional
+        Views to consider: names (default options) or instances (``SnapKV(window=16)``). Default:
+        ``streamingllm`` and ``snapkv``; for a ``draft_model``, also ``full``.
     **kwargs
-        Passed to :func:`hf_magicdec.costmodel.plan` (``acceptance``, ``drafts``, ``budgets``,
-        ``gammas``, ``tp``, ``dtype``, ``min_speedup``).
+        Passed to :func:`hf_magicdec.costmodel.plan` (``acceptance``, ``budgets``, ``gammas``,
+        ``tp``, ``dtype``, ``min_speedup``, ``draft_model`` …).
 
     Returns
     -------
@@ -315,6 +320,11 @@ def plan(model_or_config, *, batch_size: int, prompt_len: int, new_tokens: int, 
     >>> out = model.generate(**inputs, speculative=p.to_config()) if p.speculate else model.generate(**inputs)
     """
     from .costmodel import plan as costmodel_plan
+    from .costmodel.planner import DEFAULT_DRAFT_MODEL_DRAFTS, DEFAULT_DRAFTS
+    from .views import get_view
+
+    def views(items):
+        return tuple(get_view(v) if isinstance(v, str) else v for v in items)
 
     if hardware is None:
         if hasattr(model_or_config, "parameters") and hasattr(model_or_config, "config"):
@@ -323,4 +333,6 @@ def plan(model_or_config, *, batch_size: int, prompt_len: int, new_tokens: int, 
         else:
             hardware = "h100"
     return costmodel_plan(model_or_config, batch_size=batch_size, prompt_len=prompt_len, new_tokens=new_tokens,
-                          hardware=hardware, **kwargs)
+                          hardware=hardware, drafts=views(DEFAULT_DRAFTS if drafts is None else drafts),
+                          draft_model_drafts=views(DEFAULT_DRAFT_MODEL_DRAFTS if draft_model_drafts is None
+                                                   else draft_model_drafts), **kwargs)

@@ -186,7 +186,6 @@ class MagicDecCache(Cache):
         self.position_limit: int | None = None
         # Per-row tensors of query-aware views and refresh, keyed (name, layer or -1); they follow select_rows.
         self.row_state: dict[tuple[str, int], torch.Tensor] = {}
-        self.view_config: "MagicDecConfig | None" = None
         self.refresher: Refresher | None = None  # refresh_every / refresh_below (hf_magicdec.refresh)
 
     # ------------------------------------------------------------------ bookkeeping
@@ -356,8 +355,8 @@ class MagicDecCache(Cache):
         """
         self.view = view
         self.gamma = config.gamma if scratch is None else scratch  # draft slots per step (adaptive: the max)
-        ks = view.static_slots(config, prompt_slots)
-        w = view.window_slots(config, prompt_slots, max_new_tokens)
+        ks = view.static_slots(config.draft_budget, prompt_slots)
+        w = view.window_slots(config.draft_budget, config.gamma, prompt_slots, max_new_tokens)
         self.static_slots, self.window_slots = ks, w
         device = self.lengths.device
         n_valid = prompt_slots - self.pad  # [B]
@@ -376,7 +375,6 @@ class MagicDecCache(Cache):
         for layer in self.layers:
             self._build_layer_view(layer, view, config, prompt_slots, valid, candidate, ring_src, is_static)
             layer.observed_queries = None
-        self.view_config = config
         view.prepare(self, config, prompt_slots)  # e.g. dynamic's page summaries
         self.refresher = Refresher.create(view, config, self)
         self._mode = None

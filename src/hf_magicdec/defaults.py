@@ -1,5 +1,6 @@
-"""Default option values, shared by :class:`~hf_magicdec.MagicDecConfig` and the torch-free
-planner (:mod:`hf_magicdec.costmodel`), so that neither imports the other for them."""
+"""Default option values, shared by :class:`~hf_magicdec.MagicDecConfig`, the draft views
+(:mod:`hf_magicdec.views`, whose fields default to these) and the torch-free planner
+(:mod:`hf_magicdec.costmodel`), so that none imports another for them."""
 
 #: A field left to the planner (:func:`hf_magicdec.plan`).
 AUTO = "auto"
@@ -12,6 +13,7 @@ DEFAULT_GAMMA = 3
 DEFAULT_SINK_TOKENS = 16
 DEFAULT_WINDOW = 32
 DEFAULT_PAGE_SIZE = 16
+DEFAULT_POOL_KERNEL = 5
 DEFAULT_PREFILL_CHUNK = 1024
 DEFAULT_MAX_GAMMA = 8
 MAX_GAMMA = 32

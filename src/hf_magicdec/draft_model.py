@@ -69,7 +69,7 @@ class DraftModelDrafter:
     def prefill(self, input_ids, position_ids, pad, max_new_tokens: int, scratch: int) -> None:
         """Prefill the draft model on the prompts, build its views, free its full cache."""
         batch, prompt = input_ids.shape
-        observe = self.view.observation_window(self.config)
+        observe = self.view.observation_window()
         self.cache, _ = self.engine.prefill_model(self.model, input_ids, position_ids, pad, prompt, observe)
         # One scratch slot more than γ: the first step of a round re-feeds the token at C - 1.
         self.cache.build_draft_views(self.view, self.config, prompt, max_new_tokens, scratch=scratch + 1)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import inspect
 import os
 import time
 from typing import Any
@@ -33,7 +34,7 @@ from .outputs import MagicDecOutput, SpeculationStats
 from .ragged import RaggedBatch
 from .sampling import greedy_verify, rejection_sample
 from .validation import check_generation_config, check_model, check_model_kwargs
-from .views import get_view
+from .views import DraftView, on_register, view_option_names
 
 
 @torch.no_grad()
@@ -48,17 +49,12 @@ def generate(
     *,
     tokenizer=None,
     speculative: Any = None,
-    draft: str | None = None,
+    draft: str | DraftView | None = None,
     draft_budget: int | str | None = None,
     gamma: int | str | None = None,
     adaptive_gamma: bool | None = None,
     max_gamma: int | None = None,
     hardware: str | None = None,
-    sink_tokens: int | None = None,
-    window: int | None = None,
-    recent_window: int | None = None,
-    pool_kernel: int | None = None,
-    page_size: int | None = None,
     refresh_every: int | None = None,
     refresh_below: float | None = None,
     magicdec_config: MagicDecConfig | None = None,
@@ -82,15 +78,18 @@ def generate(
     input_ids : ``[B, P]`` left-padded prompts (already expanded for ``num_return_sequences``).
     logits_processor, stopping_criteria, generation_config : as prepared by ``generate``.
     tokenizer : enables ``stop_strings`` (``generate`` builds the criterion from it).
-    speculative, draft, draft_budget, gamma, adaptive_gamma, max_gamma, hardware, sink_tokens, window,
-        recent_window, pool_kernel, page_size, refresh_every, refresh_below, magicdec_config :
-        MagicDec settings (see :class:`~hf_magicdec.MagicDecConfig`); explicit values win.
+    speculative, draft, draft_budget, gamma, adaptive_gamma, max_gamma, hardware, refresh_every, refresh_below,
+        magicdec_config : MagicDec settings (see :class:`~hf_magicdec.MagicDecConfig`); explicit values win.
+        ``draft`` may be a view instance (``SnapKV(window=16)``).
     magicdec_streamer, magicdec_synced_gpus, magicdec_stop_strings, magicdec_tokenizer :
         streamer, ``synced_gpus``, ``stop_strings`` and tokenizer forwarded by the ``speculative=``
         routing (``generate`` does not hand them to custom callables).
     magicdec_draft_model : a separate small draft model (``draft_model=`` in ``model.generate``;
         same tokenizer); ``draft`` then compresses *its* cache. See :mod:`hf_magicdec.draft_model`.
-    **model_kwargs : ``attention_mask`` ``[B, P]`` or None, ``position_ids``, the empty cache …
+    **model_kwargs : ``attention_mask`` ``[B, P]`` or None, ``position_ids``, the empty cache …, and
+        the registered draft views' options (``sink_tokens``, ``window``, ``recent_window``,
+        ``pool_kernel``, ``page_size`` …), taken by name; they are listed in this function's
+        runtime signature, which is what HF hands a ``custom_generate`` callable.
 
     Returns
     -------
@@ -110,13 +109,9 @@ def generate(
         adaptive_gamma=adaptive_gamma,
         max_gamma=max_gamma,
         hardware=hardware,
-        sink_tokens=sink_tokens,
-        window=window,
-        recent_window=recent_window,
-        pool_kernel=pool_kernel,
-        page_size=page_size,
         refresh_every=refresh_every,
         refresh_below=refresh_below,
+        **{name: model_kwargs.pop(name) for name in view_option_names() if name in model_kwargs},
     )
     streamer = magicdec_streamer if magicdec_streamer is not None else streamer
     # None: HF's default (on under ZeRO-3 / FSDP with several processes); see distributed.py.
@@ -165,6 +160,20 @@ def generate(
                          chunk, resolution, draft_model=draft_model)
         engine.lockstep = lockstep
         return engine.run(input_ids, model_kwargs.get("attention_mask"), model_kwargs.get("position_ids"))
+
+
+def _list_view_options() -> None:
+    """Show every registered view's options as keywords of ``generate``'s signature: HF hands a
+    ``custom_generate`` callable the keywords its signature names (and refuses the others)."""
+    base = inspect.signature(generate.__wrapped__)
+    params = list(base.parameters.values())
+    taken = {p.name for p in params}
+    extra = [inspect.Parameter(n, inspect.Parameter.KEYWORD_ONLY, default=None)
+             for n in view_option_names() if n not in taken]
+    generate.__signature__ = base.replace(parameters=params[:-1] + extra + params[-1:])
+
+
+on_register(_list_view_options)
 
 
 # Switch the model to the ``magicdec`` attention for one call; always restore it (thread-safe).
@@ -221,7 +230,7 @@ class _Engine:
         self.streamer = streamer
         self.chunk = chunk
         self.do_sample = bool(generation_config.do_sample)
-        self.view = get_view(config.draft)
+        self.view = config.view
         # A separate draft model, or None: the model drafts on its own views (self-speculation).
         self.drafter = DraftModelDrafter(self, draft_model, self.view, config) if draft_model is not None else None
         self.keep_logits = model._supports_logits_to_keep()
@@ -258,7 +267,7 @@ class _Engine:
         :meth:`MagicDecCache.reserve`) and fill it with the prompt in chunks; returns the last
         logits ``[B, 1, V]``."""
         # No view on the target when gamma is 0 or a separate draft model drafts.
-        observe = self.view.observation_window(self.config) if self.config.gamma > 0 and self.drafter is None else 0
+        observe = self.view.observation_window() if self.config.gamma > 0 and self.drafter is None else 0
         store = _SHARED_PREFILL.get()
         entry = next((e for e in store or () if e.matches(input_ids, position_ids, pad, self.chunk, capacity, observe)),
                      None)
@@ -310,7 +319,7 @@ class _Engine:
         if config.adaptive:
             # gamma + 1 committed tokens must fit in the rolling window without overwriting it;
             # the controller never goes above max_gamma (a larger starting gamma is clamped).
-            window = self.view.window_slots(config, prompt, max_new)
+            window = self.view.window_slots(config.draft_budget, config.gamma, prompt, max_new)
             scratch = self.lockstep.agree_min(max(1, min(config.max_gamma, window - 1)))
             res = self.resolution
             prior = res.plan.acceptance if res.plan is not None and res.plan.acceptance else 0.8

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from .config import AUTO, MagicDecConfig
+from .views import available_views
 
 __all__ = ["DeviceMapPlan", "cache_bytes_per_layer", "plan_device_map"]
 
@@ -116,8 +117,12 @@ def cache_bytes_per_layer(model_or_config, batch_size: int, context_length: int,
         slots += view + scratch + 1  # [static | window | scratch | trash]
     kv_per_slot = spec.kv_bytes_per_token // spec.layers  # keys + values of one token in one layer
     total = batch_size * slots * kv_per_slot
-    if cfg.draft in ("snapkv", AUTO) and scratch > 0:
-        total += batch_size * spec.heads * cfg.window * spec.head_dim * spec.weight_bytes
+    if scratch > 0:
+        # Prefill keeps each layer's last observation-window queries for the views scoring with
+        # them (snapkv); an "auto" draft: the largest of the views it may become.
+        views = [cfg.view] if cfg.draft != AUTO else [cfg.view_for(name) for name in available_views()]
+        observe = max(view.observation_window() for view in views)
+        total += batch_size * spec.heads * observe * spec.head_dim * spec.weight_bytes
     return int(total)
 
 

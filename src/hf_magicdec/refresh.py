@@ -12,7 +12,8 @@ again:
 Re-selection scores every committed token that is **not** in the rolling window (prompt tokens
 and generated tokens the window has evicted alike) by the attention mass it receives from the
 row's most recent ``window`` committed queries (their verify queries, recorded by the attention
-function; non-causal: every recent query sees every candidate), pooled like SnapKV and summed
+function; non-causal: every recent query sees every candidate), pooled like SnapKV (``window`` and
+``pool_kernel`` are the view's when it has them, else SnapKV's defaults) and summed
 over the query heads of each KV head, keeps the top ``static_count`` per KV head, and gathers
 their target KV from the full cache into the static part (in position order). Nothing else in
 the view moves, so no token is ever in it twice. Lossless by construction: the target verifies.
@@ -29,6 +30,8 @@ from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
+
+from .defaults import DEFAULT_POOL_KERNEL, DEFAULT_WINDOW
 
 if TYPE_CHECKING:
     from .cache import MagicDecCache
@@ -88,11 +91,12 @@ class Refresher:
     Its per-row tensors live in ``cache.row_state`` so that they follow ``select_rows``.
     """
 
-    def __init__(self, config: "MagicDecConfig"):
+    def __init__(self, config: "MagicDecConfig", view: "DraftView | None" = None):
         self.every = config.refresh_every
         self.below = config.refresh_below
-        self.window = config.window
-        self.pool_kernel = config.pool_kernel
+        # Scored as SnapKV scores: the view's observation window and pooling when it has them.
+        self.window = getattr(view, "window", DEFAULT_WINDOW)
+        self.pool_kernel = getattr(view, "pool_kernel", DEFAULT_POOL_KERNEL)
         self.history: deque[tuple[int, int]] = deque(maxlen=ACCEPTANCE_WINDOW)
         self.scaling: dict[int, float] = {}
         self.refreshes = 0
@@ -106,7 +110,7 @@ class Refresher:
             return None  # re-selected every step anyway / nothing static (full)
         cache.row_state[_SINCE] = torch.zeros_like(cache.lengths)
         cache.row_state[_QPTR] = torch.zeros_like(cache.lengths)
-        return cls(config)
+        return cls(config, view)
 
     # ------------------------------------------------------------------ recording
     def record(self, cache: "MagicDecCache", layer_idx: int, query: torch.Tensor, scaling: float | None) -> None:

@@ -21,9 +21,18 @@ from .config import MagicDecConfig
 from .validation import check_route_kwargs
 
 _original_generate = None
-_OPTION_NAMES = ("draft", "draft_budget", "gamma", "adaptive_gamma", "max_gamma", "hardware", "sink_tokens", "window",
-                 "recent_window", "pool_kernel", "page_size", "refresh_every", "refresh_below")
+# MagicDecConfig fields taken from generate's keywords (prefill_chunk_size is the generation
+# config's); every registered draft view's options are taken too (_option_names).
+_OPTION_NAMES = ("draft", "draft_budget", "gamma", "adaptive_gamma", "max_gamma", "hardware", "refresh_every",
+                 "refresh_below")
 _OFF = (None, False, "", "none", "off")
+
+
+def _option_names() -> tuple[str, ...]:
+    """The keywords of ``generate`` that configure MagicDec: config fields and view options."""
+    from .views import view_option_names
+
+    return _OPTION_NAMES + tuple(n for n in view_option_names() if n not in _OPTION_NAMES)
 
 
 def is_enabled() -> bool:
@@ -84,7 +93,7 @@ def _route(model, original, signature, spec, args, kwargs):
     if custom is not None and custom is not engine:
         raise ValueError(f"speculative={spec!r} cannot be combined with custom_generate={custom!r}.")
     check_route_kwargs(call)
-    options = {name: call.pop(name) for name in _OPTION_NAMES if name in call}
+    options = {name: call.pop(name) for name in _option_names() if name in call}
     # Validated here, before HF prepares anything or the model runs.
     config = MagicDecConfig.from_any(spec, **options)
     call["custom_generate"] = engine
@@ -127,7 +136,7 @@ def set_default_speculation(model, speculative: Any = "magicdec", **options: Any
     ----------
     model : a ``PreTrainedModel``.
     speculative : ``"magicdec"``, a dict, a :class:`~hf_magicdec.MagicDecConfig` or None.
-    **options : MagicDecConfig fields (``gamma``, ``draft``, ``draft_budget`` …).
+    **options : MagicDecConfig fields and view options (``gamma``, ``draft``, ``draft_budget``, ``window`` …).
 
     Examples
     --------

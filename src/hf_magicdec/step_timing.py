@@ -39,7 +39,7 @@ from .costmodel.calibrate import (
 from .costmodel.hardware import HardwareSpec
 from .costmodel.modelspec import ModelSpec
 from .generation import _Engine, _magicdec_attention, num_layers
-from .views import get_view
+from .views import DraftView
 
 __all__ = ["calibrate", "measure_steps", "probe_acceptance"]
 
@@ -101,7 +101,7 @@ def measure_steps(
     context: int,
     gammas: Iterable[int] = (4,),
     budgets: Iterable[int] = (256,),
-    draft: str = "streamingllm",
+    draft: str | DraftView = "streamingllm",
     repeats: int = 5,
     input_ids: Any = None,
     statistic: str = "median",
@@ -124,8 +124,9 @@ def measure_steps(
         Verification sizes to time (γ + 1 tokens each).
     budgets : iterable of int
         Draft budgets to time (draft step 0 on a view of that many tokens).
-    draft : str
-        Draft view (only the selection differs between views, not the step's cost).
+    draft : str or DraftView
+        Draft view, a name or an instance with its options (only the selection differs between
+        views, not the step's cost).
     repeats : int
         Timed runs per forward.
     input_ids : torch.LongTensor, optional
@@ -159,7 +160,7 @@ def measure_steps(
     # gamma=1 keeps every budget valid; the view's scratch size does not change step 0's cost.
     configs = {k: MagicDecConfig(draft=draft, draft_budget=k, gamma=1) for k in budgets}
     first = configs[budgets[0]]
-    view = get_view(draft)
+    view = first.view
     capacity = context + q_max + 1
     rng = torch.Generator(device="cpu").manual_seed(0)
     tokens = torch.randint(0, model.config.vocab_size, (batch, q_max), generator=rng).to(device)
@@ -171,7 +172,7 @@ def measure_steps(
             positions = torch.arange(context, device=device)[None].expand(batch, -1)
             engine._prefill(input_ids.to(device), positions, zeros, capacity=capacity)
         else:
-            _synthetic_cache(engine, model, batch, context, capacity, view.observation_window(first))
+            _synthetic_cache(engine, model, batch, context, capacity, view.observation_window())
         cache = engine.cache
         cache.build_draft_views(view, first, context, 64)
         sync()
@@ -353,7 +354,7 @@ def calibrate(
 def probe_acceptance(
     model: Any,
     *,
-    draft: str = "streamingllm",
+    draft: str | DraftView = "streamingllm",
     budget: int = 256,
     gamma: int = 4,
     batch: int = 1,
@@ -367,7 +368,7 @@ def probe_acceptance(
     ----------
     model : transformers.PreTrainedModel
     draft, budget, gamma :
-        The candidate to probe (``budget < context``).
+        The candidate to probe (``budget < context``); ``draft`` a view name or instance.
     batch, context, new_tokens :
         Prompt batch and length, tokens generated per row.
     input_ids : torch.LongTensor, optional

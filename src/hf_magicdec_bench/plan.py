@@ -202,10 +202,18 @@ def _calibration(args, name: str, spec: ModelSpec) -> Any:
 # ------------------------------------------------------------------------------ grid
 
 
+def _views(names: Sequence[str]) -> tuple[Any, ...]:
+    """The draft views called ``names`` (default options); the planner takes view objects."""
+    from hf_magicdec.views import get_view
+
+    return tuple(get_view(name) for name in names)
+
+
 def speedup_grid(spec: ModelSpec, args, calibration: Any) -> list[list[Plan]]:
     """One plan per (batch, context) cell: rows = ``args.grid_batches``, columns = contexts."""
+    drafts = _views(args.drafts)
     return [[plan(spec, batch_size=b, prompt_len=s, new_tokens=args.new_tokens, hardware=args.hardware,
-                  acceptance=args.acceptance, drafts=args.drafts, budgets=args.budgets, gammas=args.gammas,
+                  acceptance=args.acceptance, drafts=drafts, budgets=args.budgets, gammas=args.gammas,
                   calibration=calibration, tp=args.tp, min_speedup=args.min_speedup)
              for s in args.grid_contexts] for b in args.grid_batches]
 
@@ -296,8 +304,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.acceptance = _probe(args, spec) or None  # unprobed candidates keep the prior
     try:
         result = plan(spec, batch_size=args.batch, prompt_len=args.prompt_len, new_tokens=args.new_tokens,
-                      hardware=args.hardware, acceptance=args.acceptance, drafts=args.drafts, budgets=args.budgets,
-                      gammas=args.gammas, calibration=calibration, tp=args.tp, min_speedup=args.min_speedup)
+                      hardware=args.hardware, acceptance=args.acceptance, drafts=_views(args.drafts),
+                      budgets=args.budgets, gammas=args.gammas, calibration=calibration, tp=args.tp,
+                      min_speedup=args.min_speedup)
     except ValueError as exc:
         print(f"hf-magicdec plan: {exc}", file=sys.stderr)
         return 2

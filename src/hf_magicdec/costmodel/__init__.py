@@ -1,9 +1,15 @@
 """MagicDec's cost model: when does self-speculation pay, and with which draft view, budget and γ?
 
     from hf_magicdec.costmodel import plan
-    p = plan(model.config, batch_size=32, prompt_len=32768, new_tokens=256, hardware="h100")
+    from hf_magicdec.views import get_view
+    views = [get_view("streamingllm"), get_view("snapkv", window=16)]
+    p = plan(model.config, batch_size=32, prompt_len=32768, new_tokens=256, hardware="h100", drafts=views)
     if p.speculate:
         out = model.generate(**inputs, speculative=p.to_config())
+
+(``hf_magicdec.plan`` does the same with view names and this device's model.) The planner never
+imports the views (they need torch): it asks the view objects its callers pass which budgets and
+γ fit (``view.fits``) and what selecting costs (``query_aware``, ``page_size``).
 
 Modules (all pure Python; only :mod:`.calibrate` imports torch, lazily):
 

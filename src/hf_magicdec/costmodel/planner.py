@@ -2,18 +2,23 @@
 that plain decoding is faster.
 
 Search: every (draft, budget, γ) with ``budget < prompt_len`` (a larger view holds the whole
-prompt: nothing is compressed) and a valid :class:`~hf_magicdec.MagicDecConfig`, evaluated at
-the mean context over the generation, ``prompt_len + new_tokens / 2``. Step times come from the
-roofline on ``hardware`` (or on the calibrated device when ``calibration`` is given).
+prompt: nothing is compressed) that the view accepts (``view.fits(budget, gamma)``, the same
+check as :class:`~hf_magicdec.MagicDecConfig`), evaluated at the mean context over the
+generation, ``prompt_len + new_tokens / 2``. Step times come from the roofline on ``hardware``
+(or on the calibrated device when ``calibration`` is given).
+
+The planner stays torch-free: it never imports the views. Its callers hand it view objects
+(``hf_magicdec.views.get_view(name, **options)``; :func:`hf_magicdec.plan` takes names), read
+duck-typed: ``name``, ``fits(budget, gamma)``, ``query_aware`` and ``page_size`` (selection cost,
+:mod:`.selection`), and their dataclass fields (the options :meth:`Plan.to_config` carries).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
-from typing import Any, Iterable
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Protocol
 
-from ..defaults import DEFAULT_PAGE_SIZE, DEFAULT_SINK_TOKENS, DEFAULT_WINDOW, MAX_GAMMA
 from ._checks import check_int
 from .acceptance import AcceptanceLike
 from .hardware import HardwareSpec, get_hardware
@@ -21,33 +26,47 @@ from .modelspec import ModelSpec
 from .roofline import target_step
 from .speculation import Estimate, estimate
 
-__all__ = ["Plan", "plan", "valid_candidate", "DEFAULT_BUDGETS", "DEFAULT_DRAFTS", "DEFAULT_GAMMAS"]
+__all__ = ["Plan", "plan", "DraftLike", "DEFAULT_BUDGETS", "DEFAULT_DRAFTS", "DEFAULT_DRAFT_MODEL_DRAFTS",
+           "DEFAULT_GAMMAS"]
 
+#: View names the callers resolve (``hf_magicdec.plan``, ``generate`` with ``draft="auto"``).
 DEFAULT_DRAFTS = ("streamingllm", "snapkv")
+#: Views considered for a separate draft model's cache (``"full"`` keeps all of it).
+DEFAULT_DRAFT_MODEL_DRAFTS = ("full", "streamingllm", "snapkv")
 DEFAULT_BUDGETS = (128, 256, 512, 1024, 2048)
 DEFAULT_GAMMAS = tuple(range(1, 9))
 _RUNNER_UPS = 5
 
 
-def valid_candidate(draft: str, budget: int, gamma: int) -> bool:
-    """Whether ``MagicDecConfig(draft=draft, draft_budget=budget, gamma=gamma)`` (other fields
-    default) would validate, without importing torch.
+class DraftLike(Protocol):
+    """What the planner reads of a draft view (:class:`hf_magicdec.views.DraftView`)."""
 
-    Mirrors the views' ``check_config``: the rolling window must hold γ + 1 tokens, StreamingLLM
-    needs room beyond its sinks, SnapKV beyond its recent window ``max(window, budget // 4)``.
-    """
-    if not 1 <= gamma <= MAX_GAMMA or budget < 1:
-        return False
-    if draft == "streamingllm":
-        window = budget - DEFAULT_SINK_TOKENS
-        return budget > DEFAULT_SINK_TOKENS and window >= gamma + 1
-    if draft == "snapkv":
-        window = max(DEFAULT_WINDOW, budget // 4)
-        return budget > window and window >= gamma + 1
-    if draft == "dynamic":  # sinks + at least one page + a window of >= budget // 4 (views/dynamic.py)
-        pages = (budget - DEFAULT_SINK_TOKENS - budget // 4) // DEFAULT_PAGE_SIZE
-        return pages >= 1 and budget - DEFAULT_SINK_TOKENS - pages * DEFAULT_PAGE_SIZE >= gamma + 1
-    return True  # other views: MagicDecConfig will say
+    name: str
+    query_aware: bool
+
+    def fits(self, budget: int, gamma: int) -> bool: ...
+
+
+def _views(what: str, values: Iterable[Any]) -> tuple[Any, ...]:
+    values = tuple(values)
+    for v in values:
+        if isinstance(v, str) or not callable(getattr(v, "fits", None)) or not isinstance(getattr(v, "name", None), str):
+            raise TypeError(f"{what} must be draft view objects (hf_magicdec.views.get_view(name, **options)), got "
+                            f"{v!r}; hf_magicdec.plan takes names.")
+    return values
+
+
+def _options(view: Any) -> dict[str, Any]:
+    """The dataclass fields of ``view`` that differ from their defaults (its explicit options)."""
+    if not dataclasses.is_dataclass(view):
+        return {}
+    out = {}
+    for f in dataclasses.fields(view):
+        value = getattr(view, f.name)
+        default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+        if f.init and value != default:
+            out[f.name] = value
+    return out
 
 
 @dataclass(frozen=True)
@@ -76,6 +95,8 @@ class Plan:
         The workload; ``context`` is the mean context used, tokens.
     draft_model : str or None
         Name of the separate draft model the best candidate drafts with (None: self-speculation).
+    draft_options : dict
+        The best candidate's view options away from their defaults (``{"window": 16}``).
     model, hardware : str
         Names of the model spec and the device (``"... (calibrated)"`` when calibrated, ``" xN"`` with
         N-way tensor parallelism).
@@ -102,6 +123,7 @@ class Plan:
     hardware: str
     reason: str
     draft_model: str | None = None
+    draft_options: dict[str, Any] = field(default_factory=dict)
 
     def config_kwargs(self) -> dict[str, Any]:
         """``MagicDecConfig`` keyword arguments of the best candidate.
@@ -113,7 +135,7 @@ class Plan:
         """
         if self.draft is None:
             raise ValueError(f"No speculative candidate for this workload: {self.reason}")
-        return {"draft": self.draft, "draft_budget": self.draft_budget, "gamma": self.gamma}
+        return {"draft": self.draft, "draft_budget": self.draft_budget, "gamma": self.gamma, **self.draft_options}
 
     def to_config(self):
         """The best candidate as a :class:`hf_magicdec.MagicDecConfig`.
@@ -184,14 +206,14 @@ def plan(
     hardware: str | HardwareSpec = "h100",
     dtype: Any = None,
     acceptance: AcceptanceLike = None,
-    drafts: Iterable[str] = DEFAULT_DRAFTS,
+    drafts: Iterable[DraftLike] | None = None,
     budgets: Iterable[int] = DEFAULT_BUDGETS,
     gammas: Iterable[int] = DEFAULT_GAMMAS,
     calibration: Any = None,
     tp: int = 1,
     min_speedup: float = 1.0,
     draft_model: Any = None,
-    draft_model_drafts: Iterable[str] = ("full", "streamingllm", "snapkv"),
+    draft_model_drafts: Iterable[DraftLike] | None = None,
     self_speculation: bool = True,
 ) -> Plan:
     """Choose draft view, budget and γ for a workload, or plain decoding.
@@ -213,8 +235,12 @@ def plan(
     acceptance : None, float, Mapping or callable
         α per candidate, see :func:`~hf_magicdec.costmodel.acceptance.resolve_acceptance`
         (``None``: :func:`~hf_magicdec.costmodel.acceptance.default_acceptance`).
-    drafts, budgets, gammas :
-        The search space.
+    drafts : iterable of draft views
+        The views to consider (objects, e.g. ``[get_view("snapkv", window=16)]`` from
+        :mod:`hf_magicdec.views`; :func:`hf_magicdec.plan` takes names). Required for
+        self-speculation.
+    budgets, gammas :
+        The rest of the search space.
     calibration : Calibration, optional
         Fitted device (:func:`hf_magicdec.step_timing.calibrate`); replaces
         ``hardware``'s rates and overhead.
@@ -225,8 +251,8 @@ def plan(
     draft_model : PreTrainedModel, config, dict or ModelSpec, optional
         A separate small draft model: its candidates (each view in ``draft_model_drafts``
         compressing *its* cache; ``"full"`` keeps all of it) compete with self-speculation.
-    draft_model_drafts : iterable of str
-        Views considered for the draft model's cache.
+    draft_model_drafts : iterable of draft views
+        Views considered for the draft model's cache (required with ``draft_model``).
     self_speculation : bool
         Whether self-speculation candidates compete too.
 
@@ -238,17 +264,28 @@ def plan(
     ------
     ValueError
         For non-positive sizes, an empty search space, unknown hardware or dtype.
+    TypeError
+        For drafts that are not view objects (names: use :func:`hf_magicdec.plan`).
 
     Examples
     --------
-    >>> p = plan(llama_config, batch_size=64, prompt_len=32768, new_tokens=256, hardware="h100")  # doctest: +SKIP
+    >>> views = [get_view("streamingllm"), get_view("snapkv")]                                     # doctest: +SKIP
+    >>> p = plan(llama_config, batch_size=64, prompt_len=32768, new_tokens=256, hardware="h100", drafts=views)  # doctest: +SKIP
     >>> p.speculate, p.to_config()                                                               # doctest: +SKIP
     """
     check_int("batch_size", batch_size)
     check_int("prompt_len", prompt_len)
     check_int("new_tokens", new_tokens, 0)
-    drafts, budgets, gammas = tuple(drafts), tuple(budgets), tuple(gammas)
-    for name, values in (("drafts", drafts), ("budgets", budgets), ("gammas", gammas)):
+    if drafts is None and self_speculation:
+        raise ValueError("drafts: pass the draft views to consider (view objects, e.g. "
+                         "hf_magicdec.views.get_view('snapkv')); hf_magicdec.plan takes names.")
+    if draft_model_drafts is None and draft_model is not None:
+        raise ValueError("draft_model_drafts: pass the draft views to consider for the draft model's cache.")
+    drafts = _views("drafts", drafts if drafts is not None else ())
+    draft_model_drafts = _views("draft_model_drafts", draft_model_drafts if draft_model_drafts is not None else ())
+    budgets, gammas = tuple(budgets), tuple(gammas)
+    for name, values in (("drafts", drafts if self_speculation else (None,)), ("budgets", budgets),
+                         ("gammas", gammas)):
         if not values:
             raise ValueError(f"{name} must not be empty.")
     for b in budgets:
@@ -266,28 +303,30 @@ def plan(
     common = dict(batch_size=batch_size, prompt_len=prompt_len, new_tokens=new_tokens, context=context,
                   model=spec.name, hardware=hw.name + (f" x{hw.tp}" if hw.tp > 1 else ""))
 
-    estimates = [
-        estimate(spec, hw, batch=batch_size, context=s, draft=d, budget=k, gamma=g, acceptance=acceptance,
-                 t_target=tt)
-        for d in drafts if self_speculation and d != "full" for k in budgets if k < prompt_len
-        for g in gammas if valid_candidate(d, k, g)
+    # (estimate, view) of every candidate the view accepts.
+    candidates = [
+        (estimate(spec, hw, batch=batch_size, context=s, draft=d, budget=k, gamma=g, acceptance=acceptance,
+                  t_target=tt), d)
+        for d in drafts if self_speculation and d.name != "full" for k in budgets if k < prompt_len
+        for g in gammas if d.fits(k, g)
     ]
     if draft_model is not None:
         dspec = _model_spec(draft_model, dtype)
         for d in draft_model_drafts:
             # The full view holds the whole context: its "budget" is the context.
-            view_budgets = (s,) if d == "full" else tuple(k for k in budgets if k < prompt_len)
-            estimates += [
-                estimate(spec, hw, batch=batch_size, context=s, draft=d, budget=k, gamma=g, acceptance=acceptance,
-                         t_target=tt, draft_model=dspec)
-                for k in view_budgets for g in gammas if d == "full" or valid_candidate(d, k, g)
+            view_budgets = (s,) if d.name == "full" else tuple(k for k in budgets if k < prompt_len)
+            candidates += [
+                (estimate(spec, hw, batch=batch_size, context=s, draft=d, budget=k, gamma=g, acceptance=acceptance,
+                          t_target=tt, draft_model=dspec), d)
+                for k in view_budgets for g in gammas if d.name == "full" or d.fits(k, g)
             ]
-    if not estimates:
+    if not candidates:
         return Plan(False, None, None, None, 1.0, None, None, tt, None, None, (),
                     reason=f"no candidate: every budget in {budgets} is >= prompt_len={prompt_len} "
                            "(nothing to compress) or invalid for the given gammas",
                     **common)
-    estimates.sort(key=lambda e: e.speedup, reverse=True)
+    candidates.sort(key=lambda c: c[0].speedup, reverse=True)
+    estimates = [e for e, _ in candidates]
     best = estimates[0]
     # Runner-ups: the best gamma of each other (draft, budget), so the list shows alternatives
     # rather than the winner's neighbouring gammas.
@@ -304,5 +343,6 @@ def plan(
         reason = (f"best predicted speedup {best.speedup:.2f}x < {min_speedup:g}x: verification or drafting "
                   "costs more than the accepted tokens save at this batch and context")
     common["draft_model"] = best.draft_model
+    common["draft_options"] = _options(candidates[0][1])
     return Plan(speculate, best.draft, best.draft_budget, best.gamma, best.speedup, best.acceptance, best.omega,
                 tt, best.t_draft, best.t_verify, tuple(runner_ups[:_RUNNER_UPS]), reason=reason, **common)

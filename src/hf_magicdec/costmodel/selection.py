@@ -1,9 +1,9 @@
 """Per-draft-step selection cost of query-aware draft views (``dynamic``), on the same roofline.
 
 A static view (``streamingllm``, ``snapkv``) is chosen once after prefill: its draft steps cost
-:func:`~hf_magicdec.costmodel.roofline.draft_step` only. The ``dynamic`` view re-selects pages
-at every draft step, in every layer, which adds, per layer and row (``S`` context tokens, ``P``
-page size, ``K`` budget)::
+:func:`~hf_magicdec.costmodel.roofline.draft_step` only. A query-aware view (``view.query_aware``,
+e.g. ``dynamic``) re-selects pages at every draft step, in every layer, which adds, per layer and
+row (``S`` context tokens, ``P`` the view's ``page_size``, ``K`` budget)::
 
     read summaries    bytes = 2·Hkv·⌈S/P⌉·Dh·kvb          (key min and max: 2/P of the keys)
     score pages       FLOPs = 4·H·⌈S/P⌉·Dh                (q⁺·max + q⁻·min, two products)
@@ -18,6 +18,7 @@ overestimate: summaries only cover the prompt. No selection when the view holds 
 from __future__ import annotations
 
 import math
+from typing import Any
 
 from ..defaults import DEFAULT_PAGE_SIZE
 from ._checks import check_int
@@ -25,14 +26,11 @@ from .hardware import HardwareSpec
 from .modelspec import ModelSpec
 from .roofline import _group
 
-__all__ = ["QUERY_AWARE_VIEWS", "selection_seconds"]
-
-#: Views that re-select from each draft query (they pay :func:`selection_seconds` per draft step).
-QUERY_AWARE_VIEWS = ("dynamic",)
+__all__ = ["selection_seconds"]
 
 
-def selection_seconds(model: ModelSpec, hardware: HardwareSpec, batch: int, context: int, budget: int, draft: str,
-                      page_size: int = DEFAULT_PAGE_SIZE) -> float:
+def selection_seconds(model: ModelSpec, hardware: HardwareSpec, batch: int, context: int, budget: int,
+                      draft: Any) -> float:
     """Seconds one draft step of ``draft`` spends selecting its view (0 for static views).
 
     Parameters
@@ -45,10 +43,10 @@ def selection_seconds(model: ModelSpec, hardware: HardwareSpec, batch: int, cont
         Context S, tokens.
     budget : int
         Draft budget K, tokens.
-    draft : str
-        View name; only :data:`QUERY_AWARE_VIEWS` cost anything.
-    page_size : int
-        ``dynamic``'s page size P.
+    draft : draft view
+        A view object (:mod:`hf_magicdec.views`, read duck-typed: only ``query_aware`` views cost
+        anything, pages of their ``page_size``, else :data:`~hf_magicdec.defaults.DEFAULT_PAGE_SIZE`).
+        A name stands for a static view.
 
     Returns
     -------
@@ -58,9 +56,10 @@ def selection_seconds(model: ModelSpec, hardware: HardwareSpec, batch: int, cont
     check_int("batch", batch, 1)
     check_int("context", context, 0)
     check_int("budget", budget, 1)
-    check_int("page_size", page_size, 1)
-    if draft not in QUERY_AWARE_VIEWS or budget >= context:
+    if not getattr(draft, "query_aware", False) or budget >= context:
         return 0.0
+    page_size = getattr(draft, "page_size", DEFAULT_PAGE_SIZE)
+    check_int("page_size", page_size, 1)
     tp = hardware.tp
     heads, kv_heads = math.ceil(model.heads / tp), math.ceil(model.kv_heads / tp)
     pages = math.ceil(context / page_size)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Iterable
+from typing import Any, Iterable
 
 from ._checks import check_int
 from .acceptance import DRAFT_MODEL_PREFIX, AcceptanceLike, resolve_acceptance
@@ -97,6 +97,7 @@ class Estimate:
     Attributes
     ----------
     draft : str
+        The view's name.
     draft_budget : int
     gamma : int
     acceptance : float
@@ -125,7 +126,7 @@ class Estimate:
     draft_model: str | None = None  # name of a separate draft model's spec; None: self-speculation
 
 
-def estimate(model: ModelSpec, hardware: HardwareSpec, *, batch: int, context: int, draft: str, budget: int,
+def estimate(model: ModelSpec, hardware: HardwareSpec, *, batch: int, context: int, draft: Any, budget: int,
              gamma: int, acceptance: AcceptanceLike = None, t_target: float | None = None,
              draft_model: ModelSpec | None = None) -> Estimate:
     """Predict the speedup of one candidate at one operating point.
@@ -138,8 +139,10 @@ def estimate(model: ModelSpec, hardware: HardwareSpec, *, batch: int, context: i
         Rows B.
     context : int
         Context S, tokens (use the mean over the generation).
-    draft : str
-        Draft view name (``streamingllm``, ``snapkv`` …): only α depends on it.
+    draft : draft view or str
+        The draft view (:mod:`hf_magicdec.views`, read duck-typed: ``name``, and ``query_aware`` /
+        ``page_size`` for the selection cost of query-aware views) or a name (a static view): α
+        is looked up by its name.
     budget : int
         Draft budget K, tokens.
     gamma : int
@@ -155,14 +158,15 @@ def estimate(model: ModelSpec, hardware: HardwareSpec, *, batch: int, context: i
     -------
     Estimate
     """
-    name = draft if draft_model is None else DRAFT_MODEL_PREFIX + draft
+    view_name = getattr(draft, "name", draft)
+    name = view_name if draft_model is None else DRAFT_MODEL_PREFIX + view_name
     alpha = resolve_acceptance(acceptance, name, budget, context)
     tt = target_step(model, hardware, batch, context).seconds if t_target is None else t_target
     td_total = draft_steps(model if draft_model is None else draft_model, hardware, batch, context, budget, gamma)
     td_total += gamma * selection_seconds(model if draft_model is None else draft_model, hardware, batch, context,
                                           budget, draft)  # query-aware views (dynamic) re-select every step
     tv = verify_step(model, hardware, batch, context, gamma).seconds
-    return Estimate(draft, budget, gamma, alpha, omega(gamma, alpha), tt, td_total / gamma, tv,
+    return Estimate(view_name, budget, gamma, alpha, omega(gamma, alpha), tt, td_total / gamma, tv,
                     speedup(gamma, alpha, tt, td_total, tv), None if draft_model is None else draft_model.name)
 
 
@@ -172,7 +176,7 @@ def _best(model, hardware, batch, context, draft, budget, gammas, acceptance) ->
                         acceptance=acceptance, t_target=tt).speedup for g in gammas)
 
 
-def critical_length(model: ModelSpec, hardware: HardwareSpec, batch: int, *, draft: str = "streamingllm",
+def critical_length(model: ModelSpec, hardware: HardwareSpec, batch: int, *, draft: Any = "streamingllm",
                     budget: int = 512, gammas: Iterable[int] = range(1, 9), acceptance: AcceptanceLike = None,
                     threshold: float = 1.0, max_context: int = 1 << 20) -> float:
     """Shortest context above which speculation pays at this batch size.
@@ -186,7 +190,7 @@ def critical_length(model: ModelSpec, hardware: HardwareSpec, batch: int, *, dra
     model, hardware, batch :
         Operating point.
     draft, budget, gammas, acceptance :
-        Candidates (the best γ at each context counts).
+        Candidates (the best γ at each context counts); ``draft`` as in :func:`estimate`.
     threshold : float
         Speedup that counts as "pays" (1.0: break-even).
     max_context : int

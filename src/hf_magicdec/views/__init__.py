@@ -1,33 +1,89 @@
 """Draft views: which part of the KV cache the draft attends to.
 
-Add a policy by subclassing :class:`DraftView` and calling :func:`register_view`.
+A view is a small frozen dataclass owning its options, e.g. ``SnapKV(window=16)``. The registry
+maps names to view classes (or to instances whose fields are then the defaults), so that
+``draft="snapkv", window=16`` and ``draft=SnapKV(window=16)`` mean the same.
+
+Add a policy by subclassing :class:`DraftView` (a ``@dataclass(frozen=True)`` whose fields are its
+options) and calling :func:`register_view`.
 """
 
 from __future__ import annotations
 
+import dataclasses
+from typing import Callable
+
 from .base import DraftView, ScoreContext
-from .dynamic import DynamicView
-from .full import FullView
-from .snapkv import SnapKVView, snapkv_scores
-from .streamingllm import StreamingLLMView
+from .dynamic import Dynamic, DynamicView
+from .full import Full, FullView
+from .snapkv import SnapKV, SnapKVView, snapkv_scores
+from .streamingllm import StreamingLLM, StreamingLLMView
 
-_VIEWS: dict[str, DraftView] = {}
+# name -> a DraftView subclass (built with the options get_view receives) or an instance (its
+# fields are the defaults, get_view replaces the ones it receives).
+_VIEWS: dict[str, type[DraftView] | DraftView] = {}
+_LISTENERS: list[Callable[[], None]] = []
 
 
-def register_view(view: DraftView) -> DraftView:
-    """Make ``view`` available as ``draft=view.name``. Returns it (usable as a decorator on instances)."""
-    if not view.name:
-        raise ValueError(f"{type(view).__name__} must set a non-empty `name`.")
-    _VIEWS[view.name] = view
+def _view_class(entry: type[DraftView] | DraftView) -> type[DraftView]:
+    return entry if isinstance(entry, type) else type(entry)
+
+
+def register_view(view: type[DraftView] | DraftView) -> type[DraftView] | DraftView:
+    """Make ``view`` available as ``draft=view.name``.
+
+    Parameters
+    ----------
+    view : a :class:`DraftView` subclass or instance
+        A class: ``get_view(name, **options)`` builds ``view(**options)``. An instance: its fields
+        are the defaults and ``get_view`` replaces the options it is given.
+
+    Returns
+    -------
+    ``view`` (so that it can decorate a class).
+    """
+    cls = _view_class(view)
+    if not issubclass(cls, DraftView):
+        raise TypeError(f"register_view takes a DraftView subclass or instance, got {view!r}.")
+    if not cls.name:
+        raise ValueError(f"{cls.__name__} must set a non-empty `name`.")
+    if not dataclasses.is_dataclass(cls):
+        raise TypeError(f"{cls.__name__} must be a dataclass (its fields are its options).")
+    _VIEWS[cls.name] = view
+    for listener in _LISTENERS:
+        listener()
     return view
 
 
-def get_view(name: str) -> DraftView:
-    """The registered view called ``name``."""
+def get_view(name: str, **options) -> DraftView:
+    """The registered view called ``name``, with ``options`` (its dataclass fields; the others
+    keep their defaults).
+
+    Raises
+    ------
+    ValueError
+        For an unknown name, an option the view does not have, or a bad option value.
+    """
     try:
-        return _VIEWS[name]
-    except KeyError:
+        entry = _VIEWS[name]
+    except (KeyError, TypeError):
         raise ValueError(f"Unknown draft view {name=!r}; choose one of {sorted(_VIEWS)}.") from None
+    own = _view_class(entry).option_names()
+    wrong = sorted(set(options) - set(own))
+    if wrong:
+        raise ValueError(f"The {name!r} draft view has no option(s) {wrong}; its options: {sorted(own)}.")
+    if isinstance(entry, type):
+        return entry(**options)
+    return dataclasses.replace(entry, **options) if options else entry
+
+
+def view_option_names(name: str | None = None) -> tuple[str, ...]:
+    """The options of the registered view ``name``, or (None) of every registered view."""
+    if name is not None:
+        if name not in _VIEWS:
+            raise ValueError(f"Unknown draft view {name=!r}; choose one of {sorted(_VIEWS)}.")
+        return _view_class(_VIEWS[name]).option_names()
+    return tuple(dict.fromkeys(o for entry in _VIEWS.values() for o in _view_class(entry).option_names()))
 
 
 def available_views() -> tuple[str, ...]:
@@ -35,18 +91,31 @@ def available_views() -> tuple[str, ...]:
     return tuple(_VIEWS)
 
 
-for _view in (StreamingLLMView(), SnapKVView(), FullView(), DynamicView()):
+def on_register(listener: Callable[[], None]) -> None:
+    """Call ``listener()`` now and whenever a view is registered (``generate`` lists the views'
+    options in its signature this way)."""
+    _LISTENERS.append(listener)
+    listener()
+
+
+for _view in (StreamingLLM, SnapKV, Full, Dynamic):
     register_view(_view)
 
 __all__ = [
     "DraftView",
+    "Dynamic",
     "DynamicView",
+    "Full",
     "FullView",
     "ScoreContext",
+    "SnapKV",
     "SnapKVView",
+    "StreamingLLM",
     "StreamingLLMView",
     "available_views",
     "get_view",
+    "on_register",
     "register_view",
     "snapkv_scores",
+    "view_option_names",
 ]

@@ -10,17 +10,44 @@ the rolling window starts with the last prompt tokens and then receives the *tar
 committed token, evicting the oldest, so the budget never grows however long the generation.
 Selection (masking, top-k, gather) is generic and lives in :mod:`hf_magicdec.cache`: a new policy
 is one small subclass that only scores tokens.
+
+A view is a small frozen dataclass that owns its options (``SnapKV(window=16)``): its fields are
+its options, validated in ``__post_init__``; its geometry takes the budget and γ explicitly and
+needs no torch, so the planner asks the view itself which (budget, γ) fit.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
+from ..defaults import MAX_GAMMA
+
 if TYPE_CHECKING:
     from ..config import MagicDecConfig
+
+
+def is_int(value: Any) -> bool:
+    """True for an ``int`` that is not a ``bool``."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def require_int(name: str, value: Any) -> None:
+    """Raise ``ValueError`` (naming ``name`` and the bad value) unless ``value`` is an int; for the
+    ``__post_init__`` of views."""
+    if not is_int(value):
+        raise ValueError(f"{name} must be an int, got {value!r} ({type(value).__name__}).")
+
+
+def check_sizes(budget: Any, gamma: Any) -> None:
+    """Raise ``ValueError`` unless ``budget >= 1`` and ``0 <= gamma <= MAX_GAMMA`` are ints."""
+    if not is_int(budget) or budget < 1:
+        raise ValueError(f"draft_budget must be an int >= 1, got {budget!r}.")
+    if not is_int(gamma) or not 0 <= gamma <= MAX_GAMMA:
+        raise ValueError(f"gamma must be an int in [0, {MAX_GAMMA}], got {gamma!r}.")
 
 
 @dataclass
@@ -36,11 +63,11 @@ class ScoreContext:
         ``[batch, prompt_slots]`` bool, True where the slot holds a real prompt token.
     queries : torch.Tensor | None
         ``[batch, heads, window, head_dim]`` post-RoPE queries of the last ``window`` prompt
-        positions, when the view asked for them (:attr:`DraftView.observation_window`).
+        positions, when the view asked for them (:meth:`DraftView.observation_window`).
     scaling : float
         The attention softmax scale (1/√head_dim for most models).
     config : MagicDecConfig
-        The generation's configuration.
+        The generation's configuration (the view's own options are on the view).
     """
 
     keys: torch.Tensor
@@ -50,34 +77,63 @@ class ScoreContext:
     config: "MagicDecConfig"
 
 
+@dataclass(frozen=True)
 class DraftView:
-    """Base class of draft views. Subclasses set :attr:`name` and implement :meth:`score`."""
+    """Base class of draft views: a frozen dataclass whose fields are the view's options.
+
+    Subclasses are ``@dataclass(frozen=True)``, set :attr:`name`, validate their fields in
+    ``__post_init__`` and implement :meth:`static_slots`, :meth:`window_slots` and :meth:`score`;
+    :meth:`check` adds the view's own constraints on the budget. Register them with
+    :func:`hf_magicdec.register_view` to use them as ``draft="<name>"``.
+    """
 
     name: ClassVar[str] = ""
     #: True for views that re-select their static part from each draft step's query (:meth:`refill`).
     query_aware: ClassVar[bool] = False
 
-    def check_config(self, config: "MagicDecConfig") -> None:
-        """Raise ``ValueError`` if ``config`` cannot describe this view."""
-        window = self.window_slots(config, prompt_len=0, max_new_tokens=0)
-        if window < config.gamma + 1:
+    # ------------------------------------------------------------------ options
+    @classmethod
+    def option_names(cls) -> tuple[str, ...]:
+        """The view's options: its dataclass fields."""
+        return tuple(f.name for f in dataclasses.fields(cls) if f.init)
+
+    def options(self) -> dict[str, Any]:
+        """``{option: value}`` of this view."""
+        return {name: getattr(self, name) for name in self.option_names()}
+
+    # ------------------------------------------------------------------ geometry (torch-free)
+    def check(self, budget: int, gamma: int) -> None:
+        """Raise ``ValueError`` if this view cannot hold ``budget`` tokens with ``gamma`` draft tokens
+        per step (the rolling window must take the γ + 1 tokens a step commits)."""
+        check_sizes(budget, gamma)
+        window = self.window_slots(budget, gamma, prompt_len=0, max_new_tokens=0)
+        if window < gamma + 1:
             raise ValueError(
                 f"The {self.name!r} draft view keeps a rolling window of {window} tokens, which must hold at "
-                f"least gamma + 1 = {config.gamma + 1} tokens: raise draft_budget or lower gamma."
+                f"least gamma + 1 = {gamma + 1} tokens: raise draft_budget or lower gamma."
             )
 
-    def static_slots(self, config: "MagicDecConfig", prompt_len: int) -> int:
+    def fits(self, budget: int, gamma: int) -> bool:
+        """Whether :meth:`check` accepts ``(budget, gamma)``."""
+        try:
+            self.check(budget, gamma)
+        except ValueError:
+            return False
+        return True
+
+    def static_slots(self, budget: int, prompt_len: int) -> int:
         """Number of statically selected tokens per row and KV head."""
         raise NotImplementedError
 
-    def window_slots(self, config: "MagicDecConfig", prompt_len: int, max_new_tokens: int) -> int:
+    def window_slots(self, budget: int, gamma: int, prompt_len: int, max_new_tokens: int) -> int:
         """Size of the rolling recent window per row and KV head."""
         raise NotImplementedError
 
-    def observation_window(self, config: "MagicDecConfig") -> int:
+    def observation_window(self) -> int:
         """How many trailing prompt queries :meth:`score` needs (0: none)."""
         return 0
 
+    # ------------------------------------------------------------------ selection (torch)
     def score(self, ctx: ScoreContext) -> torch.Tensor:
         """Score prompt tokens for the static part.
 

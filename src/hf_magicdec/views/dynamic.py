@@ -32,11 +32,13 @@ granularity for speed (``hf_magicdec.costmodel`` charges the same).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 
-from .base import DraftView, ScoreContext
+from ..defaults import DEFAULT_PAGE_SIZE, DEFAULT_SINK_TOKENS
+from .base import DraftView, ScoreContext, check_sizes, is_int, require_int
 
 if TYPE_CHECKING:
     from ..cache import MagicDecCache
@@ -147,43 +149,62 @@ def select_page_slots(scores: torch.Tensor, page_start: torch.Tensor, page_token
     return (start + offset).sort(dim=-1).values
 
 
-class DynamicView(DraftView):
+@dataclass(frozen=True)
+class Dynamic(DraftView):
     """Sinks + the pages with the highest Quest bound for each draft query + a rolling window.
 
     Budget split: ``recent = recent_window`` (default ``draft_budget // 4``), ``n_pages =
     (draft_budget - sink_tokens - recent) // page_size``, static part ``sink_tokens + n_pages ·
     page_size`` tokens, rolling window the rest (at least ``recent``).
+
+    Parameters
+    ----------
+    sink_tokens : int
+        The first tokens of the prompt that always stay in the view (>= 0).
+    page_size : int
+        Prompt tokens per page ``P`` (per-page key min / max summaries, 2/P of the prompt's keys,
+        are scored against every draft query).
+    recent_window : int or None
+        Smallest size of the rolling window of recent tokens. Default None: ``draft_budget // 4``.
     """
 
     name = "dynamic"
     query_aware = True
 
-    @staticmethod
-    def _recent(config) -> int:
-        return config.recent_window if config.recent_window is not None else config.draft_budget // 4
+    sink_tokens: int = DEFAULT_SINK_TOKENS
+    page_size: int = DEFAULT_PAGE_SIZE
+    recent_window: int | None = None
 
-    def _pages(self, config) -> int:
-        return (config.draft_budget - config.sink_tokens - self._recent(config)) // config.page_size
+    def __post_init__(self) -> None:
+        require_int("sink_tokens", self.sink_tokens)
+        if self.sink_tokens < 0:
+            raise ValueError(f"sink_tokens must be >= 0, got {self.sink_tokens=}.")
+        if not is_int(self.page_size) or self.page_size < 1:
+            raise ValueError(f"page_size must be a positive int, got {self.page_size=!r}.")
+        if self.recent_window is not None and (not is_int(self.recent_window) or self.recent_window < 1):
+            raise ValueError(f"recent_window must be a positive int or None, got {self.recent_window=!r}.")
 
-    def check_config(self, config) -> None:
-        if self._pages(config) < 1:
+    def _recent(self, budget: int) -> int:
+        return self.recent_window if self.recent_window is not None else budget // 4
+
+    def _pages(self, budget: int) -> int:
+        return (budget - self.sink_tokens - self._recent(budget)) // self.page_size
+
+    def check(self, budget: int, gamma: int) -> None:
+        check_sizes(budget, gamma)
+        if self._pages(budget) < 1:
             raise ValueError(
                 "dynamic needs room for at least one page: draft_budget >= sink_tokens + recent window + page_size, "
-                f"got {config.draft_budget=}, {config.sink_tokens=}, recent window {self._recent(config)}, "
-                f"{config.page_size=}."
+                f"got draft_budget={budget}, sink_tokens={self.sink_tokens}, recent window {self._recent(budget)}, "
+                f"page_size={self.page_size}."
             )
-        if config.refresh_every is not None or config.refresh_below is not None:
-            raise ValueError(
-                "draft='dynamic' re-selects its view at every draft step; refresh_every / refresh_below apply to "
-                f"static views (snapkv), got {config.refresh_every=}, {config.refresh_below=}."
-            )
-        super().check_config(config)
+        super().check(budget, gamma)
 
-    def static_slots(self, config, prompt_len: int) -> int:
-        return config.sink_tokens + self._pages(config) * config.page_size
+    def static_slots(self, budget: int, prompt_len: int) -> int:
+        return self.sink_tokens + self._pages(budget) * self.page_size
 
-    def window_slots(self, config, prompt_len: int, max_new_tokens: int) -> int:
-        return config.draft_budget - self.static_slots(config, prompt_len)
+    def window_slots(self, budget: int, gamma: int, prompt_len: int, max_new_tokens: int) -> int:
+        return budget - self.static_slots(budget, prompt_len)
 
     def score(self, ctx: ScoreContext) -> torch.Tensor:
         # The initial static part: earliest tokens first, so it starts with the sinks; the page
@@ -198,13 +219,13 @@ class DynamicView(DraftView):
         ring_init = torch.minimum(n_valid - cache.static_count, cache.ring_size)
         region = n_valid - ring_init  # candidates of the static part, as build_draft_views chose them
         selecting = region > cache.static_slots
-        sinks = min(config.sink_tokens, cache.static_slots)
+        sinks = min(self.sink_tokens, cache.static_slots)
         span = torch.where(selecting, region - sinks, torch.zeros_like(region))
         if not bool(selecting.any()):
             return  # every prompt fits: nothing to select, ever
         first = cache.pad + sinks
         for i, layer in enumerate(cache.layers):
-            kmin, kmax, start, tokens = page_summaries(layer.keys[:, :, :prompt_slots], first, span, config.page_size)
+            kmin, kmax, start, tokens = page_summaries(layer.keys[:, :, :prompt_slots], first, span, self.page_size)
             cache.row_state[_kmin(i)], cache.row_state[_kmax(i)] = kmin, kmax
         cache.row_state[_START], cache.row_state[_SIZE] = start, tokens
         cache.row_state[_SELECTING] = selecting
@@ -219,14 +240,17 @@ class DynamicView(DraftView):
         if layer.keys.shape[2] == 0:
             return  # full cache released (a separate draft model): the view stays as built
         dev = kmin.device
-        sinks = min(cache.view_config.sink_tokens, cache.static_slots)
+        sinks = min(self.sink_tokens, cache.static_slots)
         page_slots = cache.static_slots - sinks
         start, tokens = cache.row_state[_START].to(dev), cache.row_state[_SIZE].to(dev)
         scores = page_scores(query, kmin, cache.row_state[_kmax(layer_idx)])
-        slot = select_page_slots(scores, start, tokens, page_slots, cache.view_config.page_size)
+        slot = select_page_slots(scores, start, tokens, page_slots, self.page_size)
         slot = slot.clamp(max=layer.keys.shape[2] - 1)  # rows that do not select: any valid slot
         selecting = cache.row_state[_SELECTING].to(dev)[:, None, None, None]
         end = sinks + page_slots
         for source, dest in ((layer.keys, layer.draft_keys), (layer.values, layer.draft_values)):
             fresh = torch.gather(source, 2, slot[..., None].expand(-1, -1, -1, source.shape[-1]))
             dest[:, :, sinks:end] = torch.where(selecting, fresh, dest[:, :, sinks:end])
+
+
+DynamicView = Dynamic  # the former name

@@ -3,19 +3,23 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from .base import DraftView
 
 
-class FullView(DraftView):
-    """Everything goes into a rolling window large enough to never evict."""
+@dataclass(frozen=True)
+class Full(DraftView):
+    """Everything goes into a rolling window large enough to never evict (no options; the budget
+    is ignored)."""
 
     name = "full"
 
-    def check_config(self, config) -> None:
-        return None
-
-    def static_slots(self, config, prompt_len: int) -> int:
+    def static_slots(self, budget: int, prompt_len: int) -> int:
         return 0
 
-    def window_slots(self, config, prompt_len: int, max_new_tokens: int) -> int:
-        return max(prompt_len + max_new_tokens + config.gamma + 1, config.gamma + 1)
+    def window_slots(self, budget: int, gamma: int, prompt_len: int, max_new_tokens: int) -> int:
+        return max(prompt_len + max_new_tokens + gamma + 1, gamma + 1)
+
+
+FullView = Full  # the former name

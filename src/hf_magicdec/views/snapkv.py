@@ -13,11 +13,14 @@ sharing a KV head are aggregated by summation.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
 from .. import kernels
-from .base import DraftView, ScoreContext
+from ..defaults import DEFAULT_POOL_KERNEL, DEFAULT_WINDOW
+from .base import DraftView, ScoreContext, check_sizes, is_int, require_int
 
 
 def snapkv_scores(
@@ -49,34 +52,65 @@ def snapkv_scores(
     return scores
 
 
-class SnapKVView(DraftView):
-    """Observation-window scoring, pooling, group aggregation and top-k, plus a recent window."""
+@dataclass(frozen=True)
+class SnapKV(DraftView):
+    """Observation-window scoring, pooling, group aggregation and top-k, plus a recent window.
+
+    Parameters
+    ----------
+    window : int
+        Observation window: the last prompt queries used for scoring (>= 1). Also the smallest
+        size of the rolling recent window.
+    recent_window : int or None
+        Size of the rolling window of recent tokens (prompt tail, then committed tokens); the
+        window is ``max(window, recent_window)``. Default None: ``draft_budget // 4``.
+    pool_kernel : int
+        Width of the 1-D average pooling over key scores (positive, odd).
+    """
 
     name = "snapkv"
 
-    def check_config(self, config) -> None:
-        recent = self.window_slots(config, 0, 0)
-        if config.draft_budget <= recent:
+    window: int = DEFAULT_WINDOW
+    recent_window: int | None = None
+    pool_kernel: int = DEFAULT_POOL_KERNEL
+
+    def __post_init__(self) -> None:
+        require_int("window", self.window)
+        require_int("pool_kernel", self.pool_kernel)
+        if self.recent_window is not None and (not is_int(self.recent_window) or self.recent_window < 1):
+            raise ValueError(f"recent_window must be a positive int or None, got {self.recent_window=!r}.")
+        if self.window < 1:
+            raise ValueError(f"window must be >= 1, got {self.window=}.")
+        if self.pool_kernel < 1 or self.pool_kernel % 2 == 0:
+            raise ValueError(f"pool_kernel must be a positive odd int, got {self.pool_kernel=}.")
+
+    def check(self, budget: int, gamma: int) -> None:
+        check_sizes(budget, gamma)
+        recent = self.window_slots(budget, gamma, 0, 0)
+        if budget <= recent:
             raise ValueError(
                 f"snapkv needs draft_budget > its recent window ({recent} = max(window, recent_window)), got "
-                f"{config.draft_budget=}, {config.window=}, {config.recent_window=}."
+                f"draft_budget={budget}, window={self.window}, recent_window={self.recent_window}."
             )
-        super().check_config(config)
+        super().check(budget, gamma)
 
-    def static_slots(self, config, prompt_len: int) -> int:
-        return config.draft_budget - self.window_slots(config, prompt_len, 0)
+    def static_slots(self, budget: int, prompt_len: int) -> int:
+        return budget - self.window_slots(budget, 0, prompt_len, 0)
 
-    def window_slots(self, config, prompt_len: int, max_new_tokens: int) -> int:
+    def window_slots(self, budget: int, gamma: int, prompt_len: int, max_new_tokens: int) -> int:
         # The observation window is always in the view; generated tokens then roll through a
         # window large enough to keep the recent context the draft needs most.
-        recent = config.recent_window if config.recent_window is not None else config.draft_budget // 4
-        return max(config.window, recent)
+        recent = self.recent_window if self.recent_window is not None else budget // 4
+        return max(self.window, recent)
 
-    def observation_window(self, config) -> int:
-        return config.window
+    def observation_window(self) -> int:
+        return self.window
 
     def score(self, ctx: ScoreContext) -> torch.Tensor:
         if ctx.queries is None:
             raise RuntimeError("snapkv scoring needs the observation-window queries; none were recorded.")
         window = min(ctx.queries.shape[2], ctx.keys.shape[2])
-        return snapkv_scores(ctx.queries[:, :, -window:], ctx.keys, ctx.valid, ctx.scaling, ctx.config.pool_kernel)
+        return snapkv_scores(ctx.queries[:, :, -window:], ctx.keys, ctx.valid, ctx.scaling, self.pool_kernel)
+
+
+SnapKVView = SnapKV  # the former name

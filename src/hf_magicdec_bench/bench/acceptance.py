@@ -78,11 +78,9 @@ def sweep(args, grid) -> list[dict]:
     device = resolve_device(args.device)
     model, tokenizer = load_model(args.model, args.dtype, device)
     env = environment(device)
-    from hf_magicdec.views import get_view
-
     # Views that record prefill queries (SnapKV) first: their prefill then serves every view, while
     # a StreamingLLM-first order would make SnapKV prefill again.
-    grid = sorted(grid, key=lambda cfg: -get_view(cfg.draft).observation_window(cfg))
+    grid = sorted(grid, key=lambda cfg: -cfg.view.observation_window())
     runs = [(c, cfg) for c in args.contexts for cfg in grid if cfg.draft == "full" or cfg.draft_budget < c]
     bar = tqdm(total=len(runs) + len(args.contexts), desc="acceptance", unit="run")
     rows = []

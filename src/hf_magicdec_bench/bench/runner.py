@@ -231,6 +231,7 @@ def _predict(model, result: Result) -> None:
     misses. Uses the cached calibration of this model on this device when there is one."""
     from hf_magicdec import auto
     from hf_magicdec.costmodel import ModelSpec, estimate
+    from hf_magicdec.views import get_view
 
     s = result.m.speculation
     if s is None or not s.steps or s.draft == "full":
@@ -238,8 +239,10 @@ def _predict(model, result: Result) -> None:
     hardware, where = auto.hardware_for(model, result.config)
     spec = ModelSpec.from_config(model.config, dtype=model.dtype)
     gamma = max(1, round(s.mean_gamma))
+    # The view with the run's options: a query-aware view's selection cost depends on them.
+    view = result.config.view_for(s.draft) if result.config is not None else get_view(s.draft)
     e = estimate(spec, hardware, batch=result.batch, context=int(result.context + result.new_tokens / 2),
-                 draft=s.draft, budget=s.draft_budget, gamma=gamma, acceptance=min(s.acceptance_rate, 0.999))
+                 draft=view, budget=s.draft_budget, gamma=gamma, acceptance=min(s.acceptance_rate, 0.999))
     result.predicted_speedup = e.speedup
     result.extra["prediction"] = {"hardware": where, "gamma": gamma, "acceptance": s.acceptance_rate,
                                   "T_T_s": e.t_target, "T_D_s": e.t_draft, "T_V_s": e.t_verify}
@@ -296,11 +299,8 @@ def run(spec: BenchSpec, progress: bool = True, on_result: Callable[[Result], No
     if spec.share_prefill:
         # One target prefill per point serves every run when the first one records the largest
         # observation window (SnapKV's); own AR then runs last.
-        from hf_magicdec.views import get_view
-
         for c in configs:
-            configs[c].sort(key=lambda cfg: -get_view(cfg.draft).observation_window(cfg)
-                            if cfg.draft != AUTO else 0)
+            configs[c].sort(key=lambda cfg: -cfg.view.observation_window() if cfg.draft != AUTO else 0)
     small_configs = {c: spec.draft_model_configs(c) for c in spec.contexts}
     per_point = 1 + int(spec.own_ar) + int(spec.static_baseline) + (2 if assistant else 0)
     n_runs = sum(per_point + len(configs[c]) + len(small_configs[c]) for _, c in points)
