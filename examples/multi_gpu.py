@@ -30,8 +30,9 @@ import tempfile
 import torch
 
 import hf_magicdec  # noqa: F401  (the import enables generate(speculative=...))
-from hf_magicdec import MagicDecConfig, distributed
-from hf_magicdec.placement import plan_device_map
+from hf_magicdec import MagicDecConfig
+from hf_magicdec.parallel import lockstep as distributed
+from hf_magicdec.parallel.device_map import plan_device_map
 from hf_magicdec_bench import models
 
 

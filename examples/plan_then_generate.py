@@ -21,6 +21,7 @@ import sys
 import torch
 
 import hf_magicdec
+from hf_magicdec import MagicDecConfig
 from hf_magicdec_bench import data, models
 
 
@@ -58,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
     reference = model.generate(**inputs)
 
     if plan.draft is not None and (plan.speculate or args.force):
-        config = plan.to_config()  # a MagicDecConfig: draft, draft_budget, gamma fixed
+        config = MagicDecConfig.from_any(plan)  # a MagicDecConfig: draft, draft_budget, gamma fixed
         out = model.generate(**inputs, speculative=config, return_dict_in_generate=True)
         s = out.speculation
         print(f"--- generate(speculative={config.draft}/{config.draft_budget}, gamma={config.gamma}) ---")

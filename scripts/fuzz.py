@@ -218,7 +218,7 @@ def _valid(fields: dict) -> bool:
     try:
         MagicDecConfig(**cfg)
         if cfg.get("draft_budget", "auto") != "auto":
-            # An "auto" draft may fall back to another view (hf_magicdec.auto.SELF_DRAFTS); with
+            # An "auto" draft may fall back to another view (hf_magicdec.resolve.SELF_DRAFTS); with
             # none that fits the explicit fields, generate refuses with a ValueError (tested apart).
             drafts = [cfg["draft"]] if cfg.get("draft", "auto") != "auto" else ["snapkv", "streamingllm"]
             gamma = 1 if cfg.get("gamma", "auto") == "auto" else cfg["gamma"]

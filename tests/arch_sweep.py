@@ -55,7 +55,7 @@ WINDOW_CASE = dict(draft="streamingllm", budget=10, gamma=3, sink_tokens=2)
 GENERIC: dict[str, Any] = dict(
     vocab_size=VOCAB,
     # BERT-style models are causal LMs only as decoders; with is_decoder=False they attend
-    # bidirectionally and MagicDec refuses them (tests/test_attention_features.py).
+    # bidirectionally and MagicDec refuses them (tests/engine/test_attention_features.py).
     is_decoder=True,
     hidden_size=64,
     intermediate_size=128,

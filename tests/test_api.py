@@ -345,7 +345,8 @@ def test_failure_restores_model(llama, batch, exc):
 
 
 def test_shared_prefill_reuses_one_prefill_and_changes_nothing(llama, monkeypatch):
-    from hf_magicdec.generation import _Engine, shared_prefill
+    from hf_magicdec import shared_prefill
+    from hf_magicdec.engine import loop
 
     ids, mask = ragged_prompts(batch=3, length=40, seed=13)
     kwargs = dict(input_ids=ids, attention_mask=mask, max_new_tokens=12, do_sample=False, eos_token_id=None,
@@ -354,8 +355,8 @@ def test_shared_prefill_reuses_one_prefill_and_changes_nothing(llama, monkeypatc
                sink_tokens=2, gamma=2), dict(draft="snapkv", draft_budget=20, window=4, gamma=3)]
     plain = [llama.generate(**kwargs, **c) for c in configs]
     calls = []
-    original = _Engine._compute_prefill
-    monkeypatch.setattr(_Engine, "_compute_prefill", lambda self, *a: calls.append(1) or original(self, *a))
+    original = loop.prefill
+    monkeypatch.setattr(loop, "prefill", lambda *a, **k: calls.append(1) or original(*a, **k))
     with shared_prefill():
         shared = [llama.generate(**kwargs, **c) for c in configs]
         llama.generate(**{**kwargs, "input_ids": ids.flip(0), "attention_mask": mask.flip(0)}, **configs[0])

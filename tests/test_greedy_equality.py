@@ -125,7 +125,7 @@ def test_greedy_identical_long_batch(tiny_models, arch):
     ids=["snapkv-every4", "snapkv-below0.99", "streamingllm-every4"],
 )
 def test_greedy_identical_with_refresh(tiny_models, arch, draft, refresh):
-    """Re-selecting the static part during generation (hf_magicdec.refresh) changes nothing in the output."""
+    """Re-selecting the static part during generation (hf_magicdec.engine.refresh) changes nothing in the output."""
     model = tiny_models(arch)
     ids, mask = ragged_prompts(batch=4, length=48, seed=7)
     kwargs = dict(input_ids=ids, attention_mask=mask, max_new_tokens=40, do_sample=False, eos_token_id=None)

@@ -8,18 +8,23 @@ Importing the package installs a reversible routing of ``generate``'s ``speculat
 ``model.generate(..., custom_generate=hf_magicdec.generate)`` instead.
 """
 
-from .auto import plan
-from .cache import MagicDecCache
+from .api import generate
 from .config import MagicDecConfig
-from .generation import generate
-from .outputs import MagicDecOutput, SpeculationStats
+from .engine.cache import MagicDecCache
+from .engine.outputs import MagicDecOutput, SpeculationStats
+from .engine.shared_prefill import shared_prefill
+from .resolve import plan
 from .routing import disable, enable, is_enabled, set_default_speculation
-from .views import DraftView, available_views, register_view
+from .views import DraftView, Dynamic, Full, SnapKV, StreamingLLM, available_views, get_view, register_view
 
 __version__ = "0.1.0"
 
 __all__ = [
     "DraftView",
+    "Dynamic",
+    "Full",
+    "SnapKV",
+    "StreamingLLM",
     "MagicDecCache",
     "MagicDecConfig",
     "MagicDecOutput",
@@ -28,10 +33,12 @@ __all__ = [
     "disable",
     "enable",
     "generate",
+    "get_view",
     "is_enabled",
     "plan",
     "register_view",
     "set_default_speculation",
+    "shared_prefill",
 ]
 
 from .routing import _install_on_import

@@ -12,13 +12,7 @@ import functools
 import inspect
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Iterator
-
-if TYPE_CHECKING:
-    from .views import DraftView
-
-#: Method names accepted by ``generate(speculative=...)``.
-SPECULATIVE_METHODS = ("magicdec",)
+from typing import Any, Iterator
 
 from .defaults import (  # noqa: F401  (re-exported: part of this module's public names)
     AUTO,
@@ -33,6 +27,11 @@ from .defaults import (  # noqa: F401  (re-exported: part of this module's publi
     DEFAULT_WINDOW,
     MAX_GAMMA,
 )
+from .planner.hardware import get_hardware
+from .views import DraftView, available_views, get_view, view_option_names
+
+#: Method names accepted by ``generate(speculative=...)``.
+SPECULATIVE_METHODS = ("magicdec",)
 
 
 def _is_int(value: Any) -> bool:
@@ -153,8 +152,6 @@ class MagicDecConfig:
     view_options: Mapping[str, Any] = field(default_factory=ViewOptions)
 
     def __post_init__(self) -> None:
-        from .views import DraftView, available_views, view_option_names
-
         if not isinstance(self.view_options, Mapping):
             raise ValueError(f"view_options must be a mapping of view options, got {self.view_options!r}.")
         options = dict(self.view_options)
@@ -192,8 +189,6 @@ class MagicDecConfig:
         if self.adaptive_gamma is not None and not isinstance(self.adaptive_gamma, bool):
             raise ValueError(f"adaptive_gamma must be True, False or None, got {self.adaptive_gamma=!r}.")
         if self.hardware is not None:
-            from .costmodel.hardware import get_hardware
-
             get_hardware(self.hardware)  # names the bad value
         if self.prefill_chunk_size < 1:
             raise ValueError(f"prefill_chunk_size must be >= 1, got {self.prefill_chunk_size=}.")
@@ -227,8 +222,6 @@ class MagicDecConfig:
     def view_for(self, name: str) -> "DraftView":
         """The registered view ``name`` with the options of this config that it has (an
         ``"auto"`` draft's options apply to whichever view has them)."""
-        from .views import get_view, view_option_names
-
         own = view_option_names(name)
         return get_view(name, **{k: v for k, v in self.view_options.items() if k in own})
 
@@ -255,8 +248,6 @@ class MagicDecConfig:
         Changing ``draft`` keeps the options the new view has (all of them for ``"auto"``) and
         drops the others; a view instance brings its own options.
         """
-        from .views import DraftView, available_views, view_option_names
-
         if "draft" in changes and "view_options" not in changes:
             new = changes["draft"]
             if isinstance(new, DraftView):
@@ -280,8 +271,6 @@ class MagicDecConfig:
     def option_names(cls) -> tuple[str, ...]:
         """Every keyword a config takes: its fields (but ``view_options``) and the registered
         views' options."""
-        from .views import view_option_names
-
         return tuple(dict.fromkeys([*(n for n in _FIELDS if n != "view_options"), *view_option_names()]))
 
     @classmethod
@@ -290,9 +279,10 @@ class MagicDecConfig:
 
         Parameters
         ----------
-        spec : str | dict | MagicDecConfig | bool
+        spec : str | dict | MagicDecConfig | Plan | bool
             ``"magicdec"`` / ``True`` (defaults), a dict of fields and view options (an optional
-            ``"method"`` key must be ``"magicdec"``), or a ready config.
+            ``"method"`` key must be ``"magicdec"``), a ready config, or a planner's
+            :class:`~hf_magicdec.planner.Plan` (its best candidate, even when ``speculate`` is False).
         **overrides
             Field and view-option values that take precedence (``None`` values are ignored).
         """
@@ -301,6 +291,8 @@ class MagicDecConfig:
             return spec.replace(**overrides) if overrides else spec
         if spec is True or (isinstance(spec, str) and spec.lower() in SPECULATIVE_METHODS):
             return cls(**overrides)
+        if callable(getattr(spec, "config_kwargs", None)):  # a Plan (the torch-free planner cannot build configs)
+            spec = spec.config_kwargs()
         if isinstance(spec, Mapping):
             fields = dict(spec)
             method = fields.pop("method", "magicdec")
@@ -320,8 +312,6 @@ _FIELDS = tuple(f.name for f in dataclasses.fields(MagicDecConfig))
 def _from_instance(view: "DraftView", options: dict[str, Any]) -> tuple[str, dict[str, Any]]:
     """``(name, options)`` of a view instance: the options it sets away from the registered
     view's defaults, plus ``options`` (which must not contradict them)."""
-    from .views import available_views, get_view
-
     kind = type(view).__name__
     if view.name not in available_views():
         raise ValueError(f"Draft view {kind} (name {view.name!r}) is not registered: call "

@@ -1,6 +1,6 @@
 """Default option values, shared by :class:`~hf_magicdec.MagicDecConfig`, the draft views
 (:mod:`hf_magicdec.views`, whose fields default to these) and the torch-free planner
-(:mod:`hf_magicdec.costmodel`), so that none imports another for them."""
+(:mod:`hf_magicdec.planner`), so that none imports another for them."""
 
 #: A field left to the planner (:func:`hf_magicdec.plan`).
 AUTO = "auto"

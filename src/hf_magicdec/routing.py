@@ -18,7 +18,9 @@ from typing import Any
 from transformers.generation.utils import GenerationMixin
 
 from .config import MagicDecConfig
-from .validation import check_route_kwargs
+from .api import generate as engine
+from .engine.validation import check_route_kwargs
+from .views import view_option_names
 
 _original_generate = None
 # MagicDecConfig fields taken from generate's keywords (prefill_chunk_size is the generation
@@ -30,8 +32,6 @@ _OFF = (None, False, "", "none", "off")
 
 def _option_names() -> tuple[str, ...]:
     """The keywords of ``generate`` that configure MagicDec: config fields and view options."""
-    from .views import view_option_names
-
     return _OPTION_NAMES + tuple(n for n in view_option_names() if n not in _OPTION_NAMES)
 
 
@@ -82,8 +82,6 @@ def _requested(model, args, kwargs, signature) -> Any:
 
 
 def _route(model, original, signature, spec, args, kwargs):
-    from .generation import generate as engine
-
     bound = signature.bind_partial(model, *args, **kwargs)
     call = dict(bound.arguments)
     call.pop("self", None)

@@ -1,8 +1,8 @@
 """Public step-timing API of the engine: time its own target, verify and draft forwards, and
 calibrate the planner from those times.
 
-The planner (:mod:`hf_magicdec.costmodel`) is torch-free and never imports the engine; it fits the
-numbers this module measures (:func:`hf_magicdec.costmodel.calibrate.fit`) and reads cached
+The planner (:mod:`hf_magicdec.planner`) is torch-free and never imports the engine; it fits the
+numbers this module measures (:func:`hf_magicdec.planner.calibrate.fit`) and reads cached
 calibrations. This module sits beside the engine and drives it:
 
 * :func:`measure_steps`: T_T, T_V(γ), T_D(budget) on one prefilled (or synthetic) cache;
@@ -21,11 +21,12 @@ import warnings
 from typing import Any, Iterable
 
 import torch
+import transformers
 
-from .cache import MagicDecCache
+from .engine.cache import MagicDecCache
 from .config import MagicDecConfig
-from .costmodel._checks import check_int
-from .costmodel.calibrate import (
+from .planner._checks import check_int
+from .planner.calibrate import (
     DEFAULT_BUDGETS,
     DEFAULT_GAMMAS,
     DEFAULT_POINTS,
@@ -36,9 +37,11 @@ from .costmodel.calibrate import (
     device_key,
     fit,
 )
-from .costmodel.hardware import HardwareSpec
-from .costmodel.modelspec import ModelSpec
-from .generation import _Engine, _magicdec_attention, num_layers
+from .planner.hardware import HardwareSpec
+from .planner.modelspec import ModelSpec
+from .engine import attention
+from .engine.drafters import new_cache
+from .engine.steps import ModelCall, draft_step, num_layers, prefill, verify_step
 from .views import DraftView
 
 __all__ = ["calibrate", "measure_steps", "probe_acceptance"]
@@ -71,7 +74,7 @@ def _time_rounds(jobs: dict, repeats: int, sync, statistic: str) -> dict:
     return {key: _STATISTICS[statistic](values) for key, values in times.items()}
 
 
-def _synthetic_cache(engine, model, batch: int, context: int, capacity: int, observation_window: int):
+def _synthetic_cache(model, batch: int, context: int, capacity: int, observation_window: int) -> MagicDecCache:
     """A MagicDecCache filled with random KV, as if ``context`` tokens had been prefilled.
 
     Step timings do not depend on KV values, and a real prefill of 8 × 2048 tokens costs tens of
@@ -92,7 +95,7 @@ def _synthetic_cache(engine, model, batch: int, context: int, capacity: int, obs
                                                  dtype=param.dtype, device=param.device)
             layer.scaling = spec.head_dim ** -0.5
     cache.end_prefill(context)
-    engine.cache = cache
+    return cache
 
 
 def measure_steps(
@@ -165,31 +168,30 @@ def measure_steps(
     rng = torch.Generator(device="cpu").manual_seed(0)
     tokens = torch.randint(0, model.config.vocab_size, (batch, q_max), generator=rng).to(device)
     zeros = torch.zeros(batch, dtype=torch.long, device=device)
-    with torch.no_grad(), _magicdec_attention(model):
-        engine = _Engine(model, first, model.generation_config, [], [], None, chunk=1024)
+    with torch.no_grad(), attention.switched(model):
+        call = ModelCall.of(model)
         t0 = time.perf_counter()
         if input_ids is not None:
             positions = torch.arange(context, device=device)[None].expand(batch, -1)
-            engine._prefill(input_ids.to(device), positions, zeros, capacity=capacity)
+            # A timing cache carries no generation length (no sliding-window check).
+            cache = new_cache(model, input_ids, zeros, capacity, view.observation_window(), None)
+            prefill(call, cache, input_ids.to(device), positions, chunk=1024)
         else:
-            _synthetic_cache(engine, model, batch, context, capacity, view.observation_window())
-        cache = engine.cache
+            cache = _synthetic_cache(model, batch, context, capacity, view.observation_window())
         cache.build_draft_views(view, first, context, 64)
         sync()
         prefill_seconds = time.perf_counter() - t0
 
         def verify(n: int) -> None:
-            engine._verify(tokens[:, 0], tokens[:, 1:n])
+            verify_step(call, cache, tokens[:, 0], tokens[:, 1:n])
 
         def rollback() -> None:
             # Keep none of the verified tokens: the context never changes. Untimed: this is the
             # loop's bookkeeping, not the forward the roofline models.
             cache.commit(zeros)
 
-        def draft_step() -> None:
-            cache.begin_draft(0)
-            mask = cache.forward_mask(1, cache.static_slots + cache.window_slots + 1)
-            engine._forward(tokens[:, :1], cache.lengths[:, None], mask, logits_to_keep=1)
+        def draft() -> None:
+            draft_step(call, cache, tokens[:, :1], 0)
 
         built = [first]
 
@@ -202,7 +204,7 @@ def measure_steps(
 
         jobs = {("target", 1): (None, lambda: verify(1), rollback)}
         jobs.update({("verify", g): (None, lambda g=g: verify(g + 1), rollback) for g in gammas})
-        jobs.update({("draft", k): (use_view(k), draft_step, None) for k in budgets})
+        jobs.update({("draft", k): (use_view(k), draft, None) for k in budgets})
         times = _time_rounds(jobs, repeats, sync, statistic)
     return StepTimes(batch, context, draft, times[("target", 1)], {g: times[("verify", g)] for g in gammas},
                      {k: times[("draft", k)] for k in budgets}, prefill_seconds)
@@ -232,9 +234,6 @@ def _cpu_busy(interval: float = 0.25) -> float:
 
 
 def _versions() -> dict[str, str]:
-    import torch
-    import transformers
-
     return {"torch": torch.__version__, "transformers": transformers.__version__,
             "python": platform.python_version(), "threads": str(torch.get_num_threads())}
 
@@ -286,7 +285,7 @@ def calibrate(
     force : bool
         Measure again even if a cached calibration exists.
     cache_dir : path-like, optional
-        Root of the cache (see :func:`hf_magicdec.costmodel.calibrate.cache_root`).
+        Root of the cache (see :func:`hf_magicdec.planner.calibrate.cache_root`).
     progress : callable, optional
         Called with one line of text per measured point.
 

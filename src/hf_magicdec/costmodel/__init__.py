@@ -1,55 +1,20 @@
-"""MagicDec's cost model: when does self-speculation pay, and with which draft view, budget and γ?
+"""Deprecated: the cost model is :mod:`hf_magicdec.planner` now (``costmodel.planner`` is
+``planner.search``). This alias, including its submodules, goes away in the next release."""
 
-    from hf_magicdec.costmodel import plan
-    from hf_magicdec.views import get_view
-    views = [get_view("streamingllm"), get_view("snapkv", window=16)]
-    p = plan(model.config, batch_size=32, prompt_len=32768, new_tokens=256, hardware="h100", drafts=views)
-    if p.speculate:
-        out = model.generate(**inputs, speculative=p.to_config())
+import sys
+import warnings
 
-(``hf_magicdec.plan`` does the same with view names and this device's model.) The planner never
-imports the views (they need torch): it asks the view objects its callers pass which budgets and
-γ fit (``view.fits``) and what selecting costs (``query_aware``, ``page_size``).
+from .. import planner as _planner
+from ..planner import *  # noqa: F401,F403
+from ..planner import __all__  # noqa: F401
+from ..planner import (acceptance, calibrate, calibration_store, dtypes, gamma, hardware, modelspec, roofline, search,
+                       selection, speculation)
 
-Modules (all pure Python; only :mod:`.calibrate` imports torch, lazily):
+warnings.warn("hf_magicdec.costmodel is deprecated; import hf_magicdec.planner instead.", DeprecationWarning,
+              stacklevel=2)
 
-* :mod:`.hardware`    peak FLOP/s, bandwidth, tensor parallelism; presets
-* :mod:`.modelspec`   shapes from any HF config
-* :mod:`.roofline`    per-op-group roofline of T_T, T_D, T_V
-* :mod:`.acceptance`  the default α and how α is passed in
-* :mod:`.speculation` Ω(γ, α), speedup, critical context length
-* :mod:`.planner`     the search over (draft, budget, γ)
-* :mod:`.calibrate`   micro-benchmarks on the real model and a fitted roofline
-* :mod:`.cli`         ``hf-magicdec plan``
-
-See ``docs/cost_model.md`` for the formulas and assumptions.
-"""
-
-from .acceptance import default_acceptance, resolve_acceptance
-from .hardware import HARDWARE_PRESETS, HardwareSpec, get_hardware
-from .modelspec import ModelSpec
-from .planner import Plan, plan
-from .roofline import StepCost, draft_step, draft_steps, forward_cost, target_step, verify_step
-from .speculation import Estimate, critical_length, estimate, omega, speedup
-
-__all__ = [
-    "HARDWARE_PRESETS",
-    "Estimate",
-    "HardwareSpec",
-    "ModelSpec",
-    "Plan",
-    "StepCost",
-    "critical_length",
-    "default_acceptance",
-    "draft_step",
-    "draft_steps",
-    "estimate",
-    "forward_cost",
-    "get_hardware",
-    "omega",
-    "plan",
-    "resolve_acceptance",
-    "speedup",
-    "target_step",
-    "verify_step",
-]
+for _module in (acceptance, calibrate, calibration_store, dtypes, gamma, hardware, modelspec, roofline, selection,
+                speculation):
+    sys.modules[f"{__name__}.{_module.__name__.rsplit('.', 1)[1]}"] = _module
+sys.modules[f"{__name__}.planner"] = search
+del _module, _planner

@@ -8,7 +8,7 @@ per layer, row and KV head::
 The static part is chosen once after prefill by :meth:`DraftView.score` (higher score = kept);
 the rolling window starts with the last prompt tokens and then receives the *target* KV of every
 committed token, evicting the oldest, so the budget never grows however long the generation.
-Selection (masking, top-k, gather) is generic and lives in :mod:`hf_magicdec.cache`: a new policy
+Selection (masking, top-k, gather) is generic and lives in :mod:`hf_magicdec.engine.cache`: a new policy
 is one small subclass that only scores tokens.
 
 A view is a small frozen dataclass that owns its options (``SnapKV(window=16)``): its fields are

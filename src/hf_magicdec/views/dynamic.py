@@ -27,7 +27,7 @@ top-k over ``S/P`` pages, and gathering ``n_pages · P`` tokens of K and V from 
 (the budget). Memory: the summaries, ``2/P`` of the prompt's keys. So selection stays bounded at
 ``≈ S/P + budget`` tokens' worth of reads, against ``S`` for a full-cache step; at ``P = 16``
 and long prompts the summaries dominate, and a larger ``page_size`` trades selection
-granularity for speed (``hf_magicdec.costmodel`` charges the same).
+granularity for speed (``hf_magicdec.planner`` charges the same).
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ from ..defaults import DEFAULT_PAGE_SIZE, DEFAULT_SINK_TOKENS
 from .base import DraftView, ScoreContext, check_sizes, is_int, require_int
 
 if TYPE_CHECKING:
-    from ..cache import MagicDecCache
+    from ..engine.cache import MagicDecCache
     from ..config import MagicDecConfig
 
 # Keys of the per-row tensors this view keeps in ``MagicDecCache.row_state`` (they follow

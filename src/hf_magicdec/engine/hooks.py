@@ -1,0 +1,200 @@
+"""What watches the loop without being part of it: statistics, the streamer, per-step scores and
+logits, the acceptance memory, and the γ policy.
+
+An :class:`Observer` gets four calls per generation: :meth:`~Observer.on_prompt` (before prefill),
+:meth:`~Observer.on_prefilled` (first token chosen, draft views built), :meth:`~Observer.on_tokens`
+(after every emission: the first token, then each verification's accepted + 1 tokens) and
+:meth:`~Observer.on_step` (after every verification), then :meth:`~Observer.on_end`. A γ policy
+answers one question after each verification: the γ of the next step.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any, Callable
+
+import torch
+
+from .outputs import SpeculationStats
+
+__all__ = ["AcceptanceRecorder", "AdaptiveGamma", "FixedGamma", "Observer", "Observers", "ScoresRecorder",
+           "StatsRecorder", "StreamerHook", "profile_sync"]
+
+
+def profile_sync(device: torch.device) -> None:
+    """Make host timings honest on CUDA when ``HF_MAGICDEC_PROFILE=1`` (a sync per timed phase)."""
+    if device.type == "cuda" and os.environ.get("HF_MAGICDEC_PROFILE") == "1":
+        torch.cuda.synchronize(device)
+
+
+class Observer:
+    """Base class: every hook is a no-op."""
+
+    def on_prompt(self, input_ids: torch.Tensor) -> None:
+        """Before prefill, with the ``[B, P]`` prompts."""
+
+    def on_prefilled(self) -> None:
+        """After prefill, the first token and the draft views."""
+
+    def on_tokens(self, rows: torch.Tensor, tokens: torch.Tensor, keep: torch.Tensor, scores: torch.Tensor,
+                  logits: torch.Tensor) -> None:
+        """Working rows ``rows [b]`` (original indices) emitted ``tokens[r, :keep[r]]``; ``scores`` and
+        ``logits`` ``[b, w, V]`` are the processed scores and raw logits they were chosen from."""
+
+    def on_step(self, rows: torch.Tensor, accepted: torch.Tensor, gamma: int, draft_seconds: float,
+                verify_seconds: float) -> None:
+        """One verification: ``accepted [b]`` drafts of ``gamma`` per working row."""
+
+    def on_end(self) -> None:
+        """The generation is over (also when nothing was generated)."""
+
+
+class Observers(Observer):
+    """Several observers, called in order."""
+
+    def __init__(self, *observers: Observer):
+        self.items = [o for o in observers if o is not None]
+
+    def on_prompt(self, input_ids):
+        for o in self.items:
+            o.on_prompt(input_ids)
+
+    def on_prefilled(self):
+        for o in self.items:
+            o.on_prefilled()
+
+    def on_tokens(self, rows, tokens, keep, scores, logits):
+        for o in self.items:
+            o.on_tokens(rows, tokens, keep, scores, logits)
+
+    def on_step(self, rows, accepted, gamma, draft_seconds, verify_seconds):
+        for o in self.items:
+            o.on_step(rows, accepted, gamma, draft_seconds, verify_seconds)
+
+    def on_end(self):
+        for o in self.items:
+            o.on_end()
+
+
+class StatsRecorder(Observer):
+    """Fills :class:`~hf_magicdec.SpeculationStats`: per-row accepted lengths and γ, phase times."""
+
+    def __init__(self, stats: SpeculationStats, device: torch.device):
+        self.stats, self.device = stats, device
+        self._t, self._prefilled = 0.0, False
+
+    def _elapsed(self) -> float:
+        profile_sync(self.device)
+        now, start = time.perf_counter(), self._t
+        self._t = now
+        return now - start
+
+    def on_prompt(self, input_ids):
+        self._elapsed()
+
+    def on_prefilled(self):
+        self.stats.prefill_seconds = self._elapsed()
+        self._prefilled = True
+
+    def on_step(self, rows, accepted, gamma, draft_seconds, verify_seconds):
+        stats = self.stats
+        stats.draft_seconds += draft_seconds
+        stats.verify_seconds += verify_seconds
+        stats.steps += 1
+        stats.gamma_trace.append(gamma)
+        for orig, n in zip(rows.tolist(), accepted.tolist()):
+            stats.accepted_lengths[orig].append(n)
+            stats.row_gammas[orig].append(gamma)
+
+    def on_end(self):
+        if self._prefilled:
+            self.stats.decode_seconds = self._elapsed()
+
+
+class StreamerHook(Observer):
+    """Feeds a transformers streamer as stock ``generate`` does: the prompt, then each row-0 token."""
+
+    def __init__(self, streamer):
+        self.streamer = streamer
+
+    def on_prompt(self, input_ids):
+        self.streamer.put(input_ids.cpu())
+
+    def on_tokens(self, rows, tokens, keep, scores, logits):
+        if keep.numel():
+            self.streamer.put(tokens[0, : int(keep[0])].cpu())
+
+    def on_end(self):
+        self.streamer.end()
+
+
+class ScoresRecorder(Observer):
+    """Keeps each row's processed scores and / or raw logits (``output_scores`` / ``output_logits``)."""
+
+    def __init__(self, batch: int, scores: bool, logits: bool):
+        self.want_scores, self.want_logits = scores, logits
+        self.scores: list[list[torch.Tensor]] = [[] for _ in range(batch)]
+        self.logits: list[list[torch.Tensor]] = [[] for _ in range(batch)]
+
+    def on_tokens(self, rows, tokens, keep, scores, logits):
+        for r, (orig, k) in enumerate(zip(rows.tolist(), keep.tolist())):
+            if self.want_scores:
+                self.scores[orig].extend(scores[r, :k].unbind(0))
+            if self.want_logits:
+                self.logits[orig].extend(logits[r, :k].unbind(0))
+
+    @staticmethod
+    def assemble(per_row: list[list[torch.Tensor]], steps: int) -> tuple[torch.Tensor, ...] | None:
+        """Stock ``generate``'s layout: one ``[B, V]`` tensor per generated position (``-inf`` for
+        rows that had already stopped)."""
+        if not any(per_row) or steps == 0:
+            return None
+        ref = next(t for r in per_row for t in r)
+        out = []
+        for k in range(steps):
+            col = ref.new_full((len(per_row), ref.shape[-1]), float("-inf"))
+            for b, r in enumerate(per_row):
+                if k < len(r):
+                    col[b] = r[k]
+            out.append(col)
+        return tuple(out)
+
+
+class AcceptanceRecorder(Observer):
+    """At the end, hands the generation's pooled acceptance to ``record(accepted, drafted)`` (the
+    planner's acceptance memory)."""
+
+    def __init__(self, stats: SpeculationStats, record: Callable[[int, int], Any]):
+        self.stats, self.record = stats, record
+
+    def on_end(self):
+        drafted = sum(sum(g) for g in self.stats.row_gammas)
+        if drafted:
+            self.record(sum(sum(a) for a in self.stats.accepted_lengths), drafted)
+
+
+class FixedGamma:
+    """γ stays as configured."""
+
+    controller = None
+
+    def __init__(self, gamma: int):
+        self.gamma = gamma
+
+    def after_step(self, accepted: torch.Tensor) -> int:
+        return self.gamma
+
+
+class AdaptiveGamma:
+    """γ re-chosen after every step by ``controller`` (``update(accepted, drafted) -> γ``) from the
+    acceptance pooled over rows and, through ``lockstep``, over ranks."""
+
+    def __init__(self, controller, lockstep):
+        self.controller, self.lockstep = controller, lockstep
+        self.gamma = controller.gamma
+
+    def after_step(self, accepted: torch.Tensor) -> int:
+        pooled = self.lockstep.pool(int(accepted.sum()), self.gamma * int(accepted.numel()))
+        self.gamma = self.controller.update(*pooled)
+        return self.gamma

@@ -1,0 +1,211 @@
+"""The self-speculative decoding loop.
+
+One generation::
+
+    prefill (chunked)  ->  first token  ->  draft views  ->  repeat until every row is done:
+        draft   γ single-token forwards on the draft view        (cheap: small KV)
+        verify  one (γ+1)-token forward on the full cache         (≈ one decode step)
+        accept  per row: greedy prefix match, or rejection sampling
+        commit  per row: keep accepted + 1 tokens, roll the rest back, feed the draft view
+
+Rows are ragged: each keeps its own length, offsets, positions and masks; finished rows leave
+the working batch at once, so no row ever waits for another. What watches the loop (statistics,
+streamer, scores, acceptance memory) is an :class:`~hf_magicdec.engine.hooks.Observer`; γ comes
+from a policy; whoever drafts is a :class:`~hf_magicdec.engine.drafters.Drafter`; ranks in
+lockstep agree through :class:`~hf_magicdec.parallel.lockstep.Lockstep`.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from ..parallel.lockstep import LOCAL, Lockstep
+from .buffers import initial_capacity
+from .drafters import Drafter, new_cache
+from .hooks import FixedGamma, Observer, profile_sync
+from .ragged import RaggedBatch
+from .sampling import accept, pick
+from .shared_prefill import store_prefill, stored_prefill
+from .steps import ModelCall, prefill, verify_step
+from .stopping import Stopper
+
+__all__ = ["Engine", "left_padding"]
+
+
+@dataclass
+class _Rows:
+    """The working batch: ``rows [b]`` original indices of unfinished rows; ``seq_len [B]`` tokens
+    of every original row (the pending one included); ``tokens`` their history."""
+
+    rows: torch.Tensor
+    seq_len: torch.Tensor
+    tokens: RaggedBatch
+
+
+class Engine:
+    """The machinery of one generation.
+
+    Parameters
+    ----------
+    call : :class:`~hf_magicdec.engine.steps.ModelCall` of the target.
+    drafter : who drafts (:class:`~hf_magicdec.engine.drafters.SelfDrafter` or ``ModelDrafter``).
+    generation_config, logits_processor, stopping_criteria : as prepared by ``generate``.
+    chunk : prompt tokens per prefill forward.
+    scratch : draft slots per step the cache holds (the largest γ of the generation).
+    gamma : a γ policy (``gamma``, ``after_step(accepted) -> γ``, ``controller``); default fixed 0.
+    observers : what watches the loop.
+    lockstep : agreement across ranks (a no-op in one process).
+    """
+
+    def __init__(self, call: ModelCall, drafter: Drafter, generation_config, logits_processor, stopping_criteria,
+                 chunk: int, scratch: int, gamma=None, observers: Observer | None = None, lockstep: Lockstep = LOCAL):
+        self.call, self.drafter, self.gen = call, drafter, generation_config
+        self.processors, self.criteria = logits_processor, stopping_criteria
+        self.chunk, self.scratch = chunk, scratch
+        self.gamma = gamma if gamma is not None else FixedGamma(0)
+        self.observers = observers if observers is not None else Observer()
+        self.lockstep = lockstep
+        self.do_sample = bool(generation_config.do_sample)
+        self.cache = None
+
+    def run(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
+            position_ids: torch.Tensor | None) -> torch.Tensor:
+        """Generate from left-padded ``input_ids [B, P]``; returns ``[B, P + T]`` right-padded with
+        the pad token after each row's end."""
+        batch, prompt = input_ids.shape
+        max_new = max(self.gen.max_length - prompt, 0)
+        pad = left_padding(attention_mask, batch, input_ids.device)
+        if position_ids is None:
+            position_ids = (torch.arange(prompt, device=input_ids.device)[None, :] - pad[:, None]).clamp(min=0)
+        eos = self.gen._eos_token_tensor
+        stopper = Stopper(batch, prompt, max_new, eos.to(input_ids.device) if eos is not None else None,
+                          input_ids.device)
+        capacity = initial_capacity(prompt, max_new, self.scratch)
+        b = _Rows(torch.arange(batch, device=input_ids.device),
+                  torch.full((batch,), prompt, device=input_ids.device, dtype=torch.long),
+                  RaggedBatch(input_ids, capacity, self.processors, self.criteria, self._pad_id()))
+        self.observers.on_prompt(input_ids)
+        if max_new == 0:
+            self.lockstep.sit_out(self.gamma.gamma, self.gamma.controller, self.drafter.on_target)
+            self.observers.on_end()
+            return self._sequences(b)
+
+        logits = self._prefill(input_ids, position_ids, pad, capacity, prompt + max_new + self.scratch + 1)
+        logits = logits[:, -1:].float()
+        first, scores = self._choose(b, logits)
+        self.lockstep.match_forwards()
+        self.drafter.prepare(self.cache, input_ids, position_ids, max_new, self.scratch)
+        self.observers.on_prefilled()
+        new_tokens, num_new, step_scores, step_logits = first[:, None], torch.ones_like(first), scores, logits
+        accepted, gamma = None, self.gamma.gamma
+        while True:
+            keep, finished = stopper.emit(b.tokens, b.rows, b.seq_len, new_tokens, num_new)
+            self.observers.on_tokens(b.rows, new_tokens, keep, step_scores, step_logits)
+            if accepted is not None:  # verified KV of the pending + accepted tokens: one slot per kept token
+                self.cache.commit(keep)
+                self.drafter.commit(keep, accepted, gamma)
+            if not self.lockstep.keep_going(bool((~finished).any()), gamma, self.gamma.controller,
+                                            self.drafter.on_target):
+                break
+            self._drop_finished(b, finished)
+            pending = self._make_room(b, gamma)
+            t0 = time.perf_counter()
+            drafts, draft_probs = self._draft(b, pending, gamma)
+            t1 = _synced(pending.device)
+            step_logits = verify_step(self.call, self.cache, pending, drafts)
+            step_scores = b.tokens.process(b.rows, b.seq_len[b.rows], step_logits)
+            accepted, nxt = self.lockstep.share(*accept(drafts, draft_probs, step_scores, self.do_sample))
+            self.observers.on_step(b.rows, accepted, gamma, t1 - t0, _synced(pending.device) - t1)
+            new_tokens = torch.cat([drafts, nxt[:, None]], dim=1)
+            new_tokens.scatter_(1, accepted[:, None], nxt[:, None])  # [b, γ+1]; the first accepted + 1 are real
+            num_new, gamma = accepted + 1, self.gamma.after_step(accepted)
+        self.observers.on_end()
+        return self._sequences(b)
+
+    # ------------------------------------------------------------------ the loop's parts
+    def _prefill(self, input_ids, position_ids, pad, capacity: int, max_capacity: int) -> torch.Tensor:
+        """Build ``self.cache`` (``capacity`` slots per row, growing up to ``max_capacity``) and
+        fill it with the prompts; returns the last logits ``[B, 1, V]``."""
+        observe = self.drafter.observation_window()
+        self.lockstep.plan_forwards(-(-input_ids.shape[1] // self.chunk))
+        found = stored_prefill(input_ids, position_ids, pad, self.chunk, capacity, observe)
+        if found is not None:
+            self.cache, logits = found
+            self.cache.position_limit = self.gen.max_length
+        else:
+            self.cache = new_cache(self.call.model, input_ids, pad, capacity, observe, self.gen.max_length)
+            logits = prefill(self.call, self.cache, input_ids, position_ids, self.chunk)
+            store_prefill(input_ids, position_ids, pad, self.chunk, observe, self.cache, logits)
+        self.cache.max_capacity = max(self.cache.capacity, max_capacity)
+        return logits
+
+    def _choose(self, b: _Rows, logits: torch.Tensor):
+        """The first token of every row from its last prompt logits ``[B, 1, V]``."""
+        scores = b.tokens.process(b.rows, b.seq_len, logits)
+        token, _ = pick(scores[:, 0], self.do_sample)
+        return self.lockstep.share(token), scores
+
+    def _drop_finished(self, b: _Rows, finished: torch.Tensor) -> None:
+        if not bool(finished.any()):
+            return
+        keep_idx = (~finished).nonzero().squeeze(1)
+        b.rows = b.rows[keep_idx]
+        self.cache.select_rows(keep_idx)
+        self.drafter.select_rows(keep_idx)
+
+    def _make_room(self, b: _Rows, gamma: int) -> torch.Tensor:
+        """Grow the cache for this step (verify writes slots ``[C, C + γ + 1)`` and the next emission
+        tokens up to ``C + γ + 1``; ``C`` mirrored on the host); returns the pending tokens ``[b]``."""
+        if self.cache.reserve(self.cache.max_length() + gamma + 2):
+            b.tokens.reserve(self.cache.capacity)
+        return b.tokens.tokens[b.rows, b.seq_len[b.rows] - 1]
+
+    def _draft(self, b: _Rows, pending: torch.Tensor, gamma: int):
+        """γ draft tokens per row, each chosen as the target would choose (processors, sampling).
+        Returns ``drafts [b, γ]`` and, when sampling, the draft distributions ``[b, γ, V]``."""
+        if gamma == 0:
+            return pending.new_empty((pending.shape[0], 0)), None
+        seq_len = b.seq_len[b.rows]
+        step = self.drafter.round(self.cache, b.tokens.tokens, b.rows, seq_len, gamma)
+        tok, drafts, probs = pending[:, None], [], []
+        for i in range(gamma):
+            scores = b.tokens.process(b.rows, seq_len + i, step(i, tok)[:, None])[:, 0]
+            d, p = pick(scores, self.do_sample)
+            d = self.lockstep.share(d)
+            b.tokens.tokens[b.rows, seq_len + i] = d  # later draft steps' processors see it
+            drafts.append(d)
+            probs.append(p)
+            tok = d[:, None]
+        return torch.stack(drafts, dim=1), (torch.stack(probs, dim=1) if self.do_sample else None)
+
+    def _pad_id(self) -> int:
+        pad = self.gen._pad_token_tensor
+        return int(pad.item()) if pad is not None else 0
+
+    def _sequences(self, b: _Rows) -> torch.Tensor:
+        total = int(b.seq_len.max())
+        sequences = b.tokens.tokens[:, :total].clone()
+        cols = torch.arange(total, device=sequences.device)
+        sequences[cols[None, :] >= b.seq_len[:, None]] = self._pad_id()
+        return sequences
+
+
+def _synced(device: torch.device) -> float:
+    profile_sync(device)
+    return time.perf_counter()
+
+
+def left_padding(attention_mask, batch: int, device) -> torch.Tensor:
+    """``[B]`` left-padding lengths; refuses right padding and holes (they would be silently wrong)."""
+    if attention_mask is None:
+        return torch.zeros(batch, dtype=torch.long, device=device)
+    mask = attention_mask.to(device).long()
+    if mask.shape[1] > 1 and bool((mask[:, 1:] < mask[:, :-1]).any()):
+        raise ValueError(
+            "speculative='magicdec' needs left padding (attention_mask rows of the form 0…0 1…1); got right "
+            "padding or holes. Use tokenizer.padding_side = 'left'."
+        )
+    return (mask == 0).sum(dim=1)

@@ -1,0 +1,128 @@
+"""What ``generate(..., speculative="magicdec", return_dict_in_generate=True)`` returns."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from transformers.generation.utils import GenerateDecoderOnlyOutput
+
+
+@dataclass
+class SpeculationStats:
+    """Per-row speculation statistics of one generation.
+
+    Attributes
+    ----------
+    accepted_lengths : list[list[int]]
+        For each row, the number of draft tokens accepted at each of its verification steps
+        (0..γ of that step). A row emits ``accepted + 1`` tokens per step.
+    row_gammas : list[list[int]]
+        For each row, the γ of each of its verification steps (constant unless γ adapts).
+    gamma : int
+        Draft tokens per step as configured (the starting γ when it adapts).
+    gamma_trace : list[int]
+        γ of every verification step, in order.
+    adaptive_gamma : bool
+        Whether γ was re-chosen during generation.
+    draft : str
+        Draft view name.
+    draft_budget : int
+        Tokens per layer, row and KV head in the draft view (static + rolling window).
+    draft_model : str or None
+        The separate draft model that drafted (its name), or None for self-speculation.
+    steps : int
+        Verification forwards run (the batch shrinks as rows finish).
+    refreshes : int
+        Times the static part of the draft view was re-selected (``refresh_every`` /
+        ``refresh_below``; see :mod:`hf_magicdec.engine.refresh`).
+    plan : dict or None
+        The planner's decision (:class:`hf_magicdec.planner.Plan` as a dict) when fields were
+        left ``"auto"``.
+    prefill_seconds, decode_seconds, draft_seconds, verify_seconds : float
+        Wall-clock split (host timers; on CUDA only meaningful with ``HF_MAGICDEC_PROFILE=1``,
+        which synchronises the device at each boundary).
+    """
+
+    accepted_lengths: list[list[int]] = field(default_factory=list)
+    gamma: int = 0
+    draft: str = ""
+    draft_budget: int = 0
+    draft_model: str | None = None
+    steps: int = 0
+    prefill_seconds: float = 0.0
+    decode_seconds: float = 0.0
+    draft_seconds: float = 0.0
+    verify_seconds: float = 0.0
+    row_gammas: list[list[int]] = field(default_factory=list)
+    gamma_trace: list[int] = field(default_factory=list)
+    adaptive_gamma: bool = False
+    plan: dict | None = None
+    refreshes: int = 0
+
+    def _drafted(self, row: int) -> int:
+        if self.row_gammas and self.row_gammas[row]:
+            return sum(self.row_gammas[row])
+        return len(self.accepted_lengths[row]) * self.gamma
+
+    @property
+    def acceptance_rate(self) -> float:
+        """Accepted draft tokens / drafted tokens, over all rows and steps (α estimate)."""
+        drafted = sum(self._drafted(r) for r in range(len(self.accepted_lengths)))
+        return sum(sum(r) for r in self.accepted_lengths) / drafted if drafted else 0.0
+
+    @property
+    def tokens_per_step(self) -> float:
+        """Mean tokens a row emits per verification step (Ω in the paper)."""
+        steps = sum(len(r) for r in self.accepted_lengths)
+        return sum(sum(r) + len(r) for r in self.accepted_lengths) / steps if steps else 0.0
+
+    @property
+    def mean_gamma(self) -> float:
+        """Mean γ over verification steps."""
+        return sum(self.gamma_trace) / len(self.gamma_trace) if self.gamma_trace else float(self.gamma)
+
+    def row_acceptance_rate(self, row: int) -> float:
+        """Acceptance rate of one row."""
+        drafted = self._drafted(row)
+        return sum(self.accepted_lengths[row]) / drafted if drafted else 0.0
+
+    def histogram(self) -> list[int]:
+        """Count of steps that accepted 0, 1, …, γ_max draft tokens (all rows)."""
+        top = max([self.gamma] + self.gamma_trace + [n for r in self.accepted_lengths for n in r])
+        counts = [0] * (top + 1)
+        for row in self.accepted_lengths:
+            for n in row:
+                counts[n] += 1
+        return counts
+
+    def summary(self) -> dict:
+        """A flat dict for logs and benchmark rows."""
+        return {
+            "draft": self.draft,
+            "draft_budget": self.draft_budget,
+            "draft_model": self.draft_model,
+            "gamma": self.gamma,
+            "adaptive_gamma": self.adaptive_gamma,
+            "mean_gamma": round(self.mean_gamma, 3),
+            "steps": self.steps,
+            "refreshes": self.refreshes,
+            "acceptance_rate": round(self.acceptance_rate, 4),
+            "tokens_per_step": round(self.tokens_per_step, 4),
+            "accepted_histogram": self.histogram(),
+            "prefill_seconds": self.prefill_seconds,
+            "decode_seconds": self.decode_seconds,
+            "draft_seconds": self.draft_seconds,
+            "verify_seconds": self.verify_seconds,
+        }
+
+
+@dataclass
+class MagicDecOutput(GenerateDecoderOnlyOutput):
+    """:class:`transformers.generation.GenerateDecoderOnlyOutput` plus ``speculation``.
+
+    ``scores`` / ``logits`` hold one ``[B, V]`` tensor per generated position, as stock
+    ``generate`` returns them; entries of a row after it finished are ``-inf`` (stock computes
+    them on padding tokens). ``past_key_values`` is ``None``: the ragged cache is not reusable.
+    """
+
+    speculation: SpeculationStats | None = None

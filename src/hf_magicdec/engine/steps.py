@@ -1,0 +1,105 @@
+"""Prefill, the draft step and the verify step: functions of tensors and the cache.
+
+Each step is one model forward whose inputs are tensors (token ids, positions, a mask) and the
+:class:`~hf_magicdec.engine.cache.MagicDecCache`, whose per-row lengths, offsets and segments say
+which keys each query may read. No Python state is read or written here, so a step can be
+compiled as it is. The token choice that follows (processors, sampling, acceptance) lives in
+:mod:`hf_magicdec.engine.sampling`; the loop that strings the steps together in
+:mod:`hf_magicdec.engine.loop`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from . import attention
+from .cache import MagicDecCache
+
+__all__ = ["ModelCall", "draft_step", "num_layers", "prefill", "verify_step"]
+
+
+def num_layers(model) -> int:
+    """Decoder layers of ``model`` (composite models keep them in their text config)."""
+    return model.config.get_text_config(decoder=True).num_hidden_layers
+
+
+@dataclass(frozen=True)
+class ModelCall:
+    """How the engine calls one model on a :class:`MagicDecCache` (fixed per model).
+
+    Attributes
+    ----------
+    model : the ``PreTrainedModel``.
+    keep_logits : whether its forward takes ``logits_to_keep``.
+    mask_per_layer_type : hybrid models (sliding + full layers) index their mask by layer type.
+    """
+
+    model: Any
+    keep_logits: bool
+    mask_per_layer_type: bool
+
+    @classmethod
+    def of(cls, model) -> "ModelCall":
+        layer_types = getattr(model.config.get_text_config(decoder=True), "layer_types", None) or []
+        return cls(model, bool(model._supports_logits_to_keep()), "sliding_attention" in layer_types)
+
+    def __call__(self, cache: MagicDecCache, ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor,
+                 logits_to_keep: int | None) -> torch.Tensor:
+        """One forward of ``ids [b, q]`` at ``positions [b, q]``; logits ``[b, q or 1, V]``.
+
+        The ``magicdec`` attention reads the cache's per-row key ranges (draft / verify) or
+        records SnapKV's observation queries (prefill); ``mask [b, 1, q, kv]`` serves any layer
+        that does not use them.
+        """
+        kwargs: dict[str, Any] = {"magicdec_cache": cache}
+        if self.keep_logits and logits_to_keep is not None:
+            kwargs["logits_to_keep"] = logits_to_keep
+        if self.mask_per_layer_type:
+            mask = {"full_attention": mask, "sliding_attention": mask}
+        with attention.engine_forward(cache):
+            out = self.model(input_ids=ids, position_ids=positions, attention_mask=mask, past_key_values=cache,
+                             use_cache=True, return_dict=True, **kwargs)
+        logits = out.logits
+        return logits[:, -1:] if logits_to_keep == 1 and logits.shape[1] != 1 else logits
+
+
+def prefill(call: ModelCall, cache: MagicDecCache, input_ids: torch.Tensor, position_ids: torch.Tensor,
+            chunk: int) -> torch.Tensor:
+    """Fill the empty ``cache`` with the left-padded prompts ``input_ids [B, P]`` in chunks of
+    ``chunk`` tokens; returns the last logits ``[B, 1, V]``."""
+    prompt = input_ids.shape[1]
+    pad = cache.pad
+    slot = torch.arange(prompt, device=input_ids.device)
+    logits = None
+    for start in range(0, prompt, chunk):
+        end = min(prompt, start + chunk)
+        cache.begin_prefill(start, end - start)
+        q_slot = slot[start:end]
+        mask = (slot[None, None, :end] >= pad[:, None, None]) & (slot[None, None, :end] <= q_slot[None, :, None])
+        mask |= slot[None, None, :end] == q_slot[None, :, None]  # padding queries see themselves: no NaN
+        logits = call(cache, input_ids[:, start:end], position_ids[:, start:end], mask[:, None], logits_to_keep=1)
+    cache.end_prefill(prompt)
+    return logits
+
+
+def draft_step(call: ModelCall, cache: MagicDecCache, tok: torch.Tensor, step: int) -> torch.Tensor:
+    """Draft step ``step`` of the model on its own draft views: ``tok [b, 1]`` (the pending token
+    or the previous draft) at each row's next position; float logits ``[b, V]``."""
+    cache.begin_draft(step)
+    mask = cache.forward_mask(1, cache.static_slots + cache.window_slots + step + 1)
+    positions = (cache.lengths - cache.pad + step)[:, None]
+    return call(cache, tok, positions, mask, logits_to_keep=1)[:, -1].float()
+
+
+def verify_step(call: ModelCall, cache: MagicDecCache, pending: torch.Tensor, drafts: torch.Tensor) -> torch.Tensor:
+    """One forward of ``[pending, d_1 … d_γ]`` per row at its own offset on the full cache
+    (``pending [b]``, ``drafts [b, γ]``); float logits ``[b, γ + 1, V]``."""
+    q = drafts.shape[1] + 1
+    cache.begin_verify(q)
+    mask = cache.forward_mask(q, cache.verify_kv_length(q))
+    positions = cache.lengths[:, None] - cache.pad[:, None] + torch.arange(q, device=pending.device)
+    ids = torch.cat([pending[:, None], drafts], dim=1)
+    return call(cache, ids, positions, mask, logits_to_keep=0).float()

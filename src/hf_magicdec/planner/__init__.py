@@ -1,0 +1,55 @@
+"""MagicDec's cost model: when does self-speculation pay, and with which draft view, budget and γ?
+
+    from . import plan
+    from ..views import get_view
+    views = [get_view("streamingllm"), get_view("snapkv", window=16)]
+    p = plan(model.config, batch_size=32, prompt_len=32768, new_tokens=256, hardware="h100", drafts=views)
+    if p.speculate:
+        out = model.generate(**inputs, speculative=p)
+
+(``hf_magicdec.plan`` does the same with view names and this device's model.) The planner never
+imports the views (they need torch): it asks the view objects its callers pass which budgets and
+γ fit (``view.fits``) and what selecting costs (``query_aware``, ``page_size``).
+
+Modules (all pure Python; only :mod:`.calibrate` imports torch, lazily):
+
+* :mod:`.hardware`    peak FLOP/s, bandwidth, tensor parallelism; presets
+* :mod:`.modelspec`   shapes from any HF config
+* :mod:`.roofline`    per-op-group roofline of T_T, T_D, T_V
+* :mod:`.acceptance`  the default α and how α is passed in
+* :mod:`.speculation` Ω(γ, α), speedup, critical context length
+* :mod:`.planner`     the search over (draft, budget, γ)
+* :mod:`.calibrate`   micro-benchmarks on the real model and a fitted roofline
+* :mod:`.cli`         ``hf-magicdec plan``
+
+See ``docs/cost_model.md`` for the formulas and assumptions.
+"""
+
+from .acceptance import default_acceptance, resolve_acceptance
+from .hardware import HARDWARE_PRESETS, HardwareSpec, get_hardware
+from .modelspec import ModelSpec
+from .search import Plan, plan
+from .roofline import StepCost, draft_step, draft_steps, forward_cost, target_step, verify_step
+from .speculation import Estimate, critical_length, estimate, omega, speedup
+
+__all__ = [
+    "HARDWARE_PRESETS",
+    "Estimate",
+    "HardwareSpec",
+    "ModelSpec",
+    "Plan",
+    "StepCost",
+    "critical_length",
+    "default_acceptance",
+    "draft_step",
+    "draft_steps",
+    "estimate",
+    "forward_cost",
+    "get_hardware",
+    "omega",
+    "plan",
+    "resolve_acceptance",
+    "speedup",
+    "target_step",
+    "verify_step",
+]

@@ -1,0 +1,246 @@
+"""Calibration, the planner's half: fit the roofline's effective rates to measured step times,
+and keep the result per model, device and dtype. Torch-free, like the rest of the cost model.
+
+Pure rooflines use datasheet peaks and overshoot (MagicDec §3). The engine times a few operating
+points ``(B, S, q)`` with its own forwards through its public step-timing API
+(:mod:`hf_magicdec.step_timing`: ``measure_steps``, ``calibrate``), and this module fits three
+non-negative numbers to them by least squares on relative error:
+
+* ``overhead``  seconds per forward (dispatch, kernel launches, Python),
+* ``1/bandwidth``  seconds per byte of weights and KV,
+* ``1/flops``  seconds per FLOP,
+
+keeping the roofline's op groups (linear, attention, LM head; see
+:mod:`~hf_magicdec.planner.roofline`). Two forms are fitted and the better one kept: the
+roofline ``max(FLOPs / flops, bytes / bandwidth)`` per group (each group charged the side of the
+fitted roofline it sits on; assignment and fit alternate until the assignment is stable), and
+``FLOPs / flops + bytes / bandwidth`` (no overlap of compute and memory traffic, which describes
+small matmuls on CPUs better). Predictions at unmeasured points come from the same model with the
+fitted numbers (:meth:`Calibration.hardware`).
+
+Results are cached as JSON per model, device and dtype under ``cache_root() / "calibration"``.
+The records (:class:`Measurement`, :class:`StepTimes`, :class:`Fit`, :class:`Calibration`) and
+that cache (:func:`cache_root`, :func:`calibration_path`, :func:`device_key`, :func:`cpu_name`,
+:func:`load_calibration`) live in :mod:`~hf_magicdec.planner.calibration_store` and are
+re-exported here.
+
+Only :func:`device_key` imports torch (inside the function), to name the device.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import math
+import statistics
+from typing import Iterable, Sequence
+
+from .calibration_store import (
+    _FORMAT,  # noqa: F401  (private names re-exported: importable from here before the split)
+    Calibration,
+    Fit,
+    Measurement,
+    StepTimes,
+    _slug,  # noqa: F401
+    cache_root,
+    calibration_path,
+    cpu_name,
+    device_key,
+    load_calibration,
+)
+from .hardware import HardwareSpec, get_hardware
+from .modelspec import ModelSpec
+from .roofline import group_work
+
+__all__ = [
+    "Calibration",
+    "Measurement",
+    "StepTimes",
+    "DEFAULT_POINTS",
+    "cache_root",
+    "calibration_path",
+    "cpu_name",
+    "device_key",
+    "Fit",
+    "fit",
+    "load_calibration",
+]
+
+#: ``(batch, context)`` points of a default calibration. Small contexts and batches keep a run
+#: short on a CPU; together they separate the per-forward overhead (batch 1, short context), the
+#: weight-read bandwidth (1-token steps), the KV-read bandwidth (batch 8 × 2048) and the FLOP
+#: rate (5-token verification of 8 rows).
+DEFAULT_POINTS: tuple[tuple[int, int], ...] = ((1, 256), (1, 2048), (4, 1024), (8, 256), (8, 2048))
+DEFAULT_GAMMAS = (1, 4)
+DEFAULT_BUDGETS = (64, 256)
+
+
+# ---------------------------------------------------------------------------------------- fit
+
+
+def _solve(a: list[list[float]], b: list[float]) -> list[float] | None:
+    """Solve the square system ``a x = b`` by Gaussian elimination; None if singular."""
+    n = len(b)
+    m = [row[:] + [b[i]] for i, row in enumerate(a)]
+    for col in range(n):
+        pivot = max(range(col, n), key=lambda r: abs(m[r][col]))
+        if abs(m[pivot][col]) < 1e-300:
+            return None
+        m[col], m[pivot] = m[pivot], m[col]
+        for r in range(n):
+            if r != col:
+                f = m[r][col] / m[col][col]
+                for c in range(col, n + 1):
+                    m[r][c] -= f * m[col][c]
+    return [m[i][n] / m[i][i] for i in range(n)]
+
+
+def nnls(rows: Sequence[Sequence[float]], targets: Sequence[float]) -> list[float]:
+    """Non-negative least squares ``min ||A x − t||² s.t. x ≥ 0`` for a few unknowns.
+
+    Exact: tries every subset of free unknowns (the others pinned at 0), solves its normal
+    equations and keeps the best non-negative solution. Fine for the 3–4 unknowns of the fit.
+    Columns are scaled to unit norm first so that seconds-per-byte and seconds-per-forward
+    (20 orders of magnitude apart) stay well conditioned.
+    """
+    n = len(rows[0])
+    scale = [math.sqrt(sum(r[j] ** 2 for r in rows)) or 1.0 for j in range(n)]
+    a = [[r[j] / scale[j] for j in range(n)] for r in rows]
+    best, best_err = [0.0] * n, sum(t * t for t in targets)
+    for size in range(1, n + 1):
+        for free in itertools.combinations(range(n), size):
+            ata = [[sum(r[i] * r[j] for r in a) for j in free] for i in free]
+            atb = [sum(r[i] * t for r, t in zip(a, targets)) for i in free]
+            sol = _solve(ata, atb)
+            if sol is None or any(v < 0 for v in sol):
+                continue
+            x = [0.0] * n
+            for i, v in zip(free, sol):
+                x[i] = v
+            err = sum((sum(r[j] * x[j] for j in range(n)) - t) ** 2 for r, t in zip(a, targets))
+            if err < best_err:
+                best, best_err = x, err
+    return [v / s for v, s in zip(best, scale)]
+
+
+def _rms(errors: Iterable[float]) -> float:
+    errors = list(errors)
+    return math.sqrt(sum(e * e for e in errors) / len(errors)) if errors else 0.0
+
+
+def _fit_max(work, measurements, bw, fl, oh, max_iterations):
+    """Roofline form: alternate compute/memory assignment of every group and an NNLS fit."""
+
+    def error(bw_, fl_, oh_):
+        return _rms((oh_ + sum(n * max(f / fl_, b / bw_) for f, b, n in w.values()) - m.seconds) / m.seconds
+                    for w, m in zip(work, measurements))
+
+    best = (bw, fl, oh, error(bw, fl, oh))
+    seen = set()
+    for _ in range(max_iterations):
+        # Assign every group of every forward to the side of the current roofline it sits on.
+        assignment = tuple(tuple(f / fl > b / bw for f, b, _ in w.values()) for w in work)
+        if assignment in seen:
+            break
+        seen.add(assignment)
+        rows = []
+        for w, m, sides in zip(work, measurements, assignment):
+            nbytes = sum(n * b for (f, b, n), compute in zip(w.values(), sides) if not compute)
+            nflops = sum(n * f for (f, b, n), compute in zip(w.values(), sides) if compute)
+            rows.append([1.0 / m.seconds, nbytes / m.seconds, nflops / m.seconds])  # relative error
+        x_oh, x_bw, x_fl = nnls(rows, [1.0] * len(rows))
+        # A zero coefficient means the data does not constrain that rate: keep the previous one.
+        bw = 1.0 / x_bw if x_bw > 0 else bw
+        fl = 1.0 / x_fl if x_fl > 0 else fl
+        oh = x_oh
+        err = error(bw, fl, oh)
+        if err < best[3]:
+            best = (bw, fl, oh, err)
+    return best
+
+
+def _fit_sum(work, measurements, bw, fl):
+    """Additive form: time = overhead + bytes / bandwidth + FLOPs / flops, linear in the unknowns."""
+    rows = []
+    for w, m in zip(work, measurements):
+        nbytes = sum(n * b for f, b, n in w.values())
+        nflops = sum(n * f for f, b, n in w.values())
+        rows.append([1.0 / m.seconds, nbytes / m.seconds, nflops / m.seconds])
+    x_oh, x_bw, x_fl = nnls(rows, [1.0] * len(rows))
+    bw = 1.0 / x_bw if x_bw > 0 else bw
+    fl = 1.0 / x_fl if x_fl > 0 else fl
+    err = _rms((x_oh + sum(n * (f / fl + b / bw) for f, b, n in w.values()) - m.seconds) / m.seconds
+               for w, m in zip(work, measurements))
+    return bw, fl, x_oh, err
+
+
+def _fit_forms(model, work, measurements, base, form, max_iterations) -> Fit:
+    bw, fl, oh = base.bandwidth, base.peak(model.dtype), base.overhead
+    fits = []
+    if form in ("auto", "max"):
+        b, f, o, e = _fit_max(work, measurements, bw, fl, oh, max_iterations)
+        fits.append(Fit(b, f, o, True, e))
+    if form in ("auto", "sum"):
+        b, f, o, e = _fit_sum(work, measurements, bw, fl)
+        fits.append(Fit(b, f, o, False, e))
+    return min(fits, key=lambda x: x.rel_rms_error)
+
+
+def fit(model: ModelSpec, measurements: Sequence[Measurement], base: HardwareSpec | str = "cpu",
+        form: str = "auto", trim: bool = True, max_iterations: int = 20) -> Fit:
+    """Fit effective bandwidth, FLOP/s and per-forward overhead to measured forwards.
+
+    Minimises the relative squared error with non-negative least squares over
+    ``(overhead, 1/bandwidth, 1/flops)``.
+
+    Parameters
+    ----------
+    model : ModelSpec
+        Shapes and dtype of the measured model.
+    measurements : sequence of Measurement
+        At least three forwards of different shapes.
+    base : HardwareSpec or str
+        Starting point (its rates decide the first compute/memory assignment of the roofline
+        form) and fallback for a rate the data cannot identify (e.g. no group was ever
+        compute-bound).
+    form : str
+        ``"max"``: the roofline, each group on the side of the fitted roofline it falls on
+        (alternating assignment and fit until the assignment is stable). ``"sum"``: compute and
+        memory do not overlap (small matmuls on CPUs). ``"auto"``: both, keep the smaller error.
+    trim : bool
+        Refit without measurements whose relative error exceeds ``max(30 %, 4 × the median
+        error)`` (at most a quarter of them, twice at most): a forward timed while another
+        process held the machine should not bend the fit.
+    max_iterations : int
+        Bound on assignment/fit alternations of the ``"max"`` form.
+
+    Returns
+    -------
+    Fit
+
+    Raises
+    ------
+    ValueError
+        With fewer than three measurements or an unknown ``form``.
+    """
+    if len(measurements) < 3:
+        raise ValueError(f"fit needs at least 3 measurements, got {len(measurements)}.")
+    if form not in ("auto", "max", "sum"):
+        raise ValueError(f"Unknown {form=!r}; choose 'auto', 'max' or 'sum'.")
+    base = get_hardware(base)
+    work = [group_work(model, 1, batch=m.batch, query_tokens=m.query_tokens, kv_tokens=m.kv_tokens,
+                       logit_tokens=m.logit_tokens) for m in measurements]
+    keep = list(range(len(measurements)))
+    result = _fit_forms(model, [work[i] for i in keep], [measurements[i] for i in keep], base, form, max_iterations)
+    for _ in range(2 if trim else 0):
+        hw = result.hardware(base, model.dtype)
+        errors = [abs(m.predict(model, hw) - m.seconds) / m.seconds for m in measurements]
+        limit = max(0.3, 4 * statistics.median(errors))
+        bad = {i for i, e in enumerate(errors) if e > limit}
+        if not bad or len(measurements) - len(bad) < max(3, math.ceil(0.75 * len(measurements))):
+            break
+        keep = [i for i in range(len(measurements)) if i not in bad]
+        refit = _fit_forms(model, [work[i] for i in keep], [measurements[i] for i in keep], base, form,
+                           max_iterations)
+        result = dataclasses.replace(refit, outliers=tuple(sorted(bad)))
+    return result

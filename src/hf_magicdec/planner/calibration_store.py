@@ -1,0 +1,349 @@
+"""Calibration records and their store: what the fit reads and returns, and where a result is
+kept on disk. Torch-free, like the rest of the cost model.
+
+* :class:`Measurement`, :class:`StepTimes`  timed forwards (as :mod:`hf_magicdec.step_timing`
+  measures them),
+* :class:`Fit`  fitted effective rates (what :func:`hf_magicdec.planner.calibrate.fit` returns),
+* :class:`Calibration`  a fit with its model, device, dtype and measurements; JSON save/load,
+* :func:`cache_root`, :func:`calibration_path`, :func:`device_key`, :func:`cpu_name`,
+  :func:`load_calibration`  the cache: one JSON file per model, device and dtype under
+  ``cache_root() / "calibration"``.
+
+Only :func:`device_key` imports torch (inside the function), to name the device. The names are
+re-exported by :mod:`hf_magicdec.planner.calibrate`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import platform
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping
+
+from ._checks import check_number
+from .hardware import HardwareSpec, get_hardware
+from .modelspec import ModelSpec
+from .roofline import forward_cost
+
+__all__ = [
+    "Calibration",
+    "Measurement",
+    "StepTimes",
+    "Fit",
+    "cache_root",
+    "calibration_path",
+    "cpu_name",
+    "device_key",
+    "load_calibration",
+]
+
+_FORMAT = 1
+
+
+# ---------------------------------------------------------------------------------------- data
+
+
+@dataclass(frozen=True)
+class Measurement:
+    """One timed forward.
+
+    Attributes
+    ----------
+    kind : str
+        ``"target"`` (T_T), ``"verify"`` (T_V) or ``"draft"`` (T_D, draft step 0).
+    batch, query_tokens, kv_tokens, logit_tokens : int
+        The forward's shape, as in :func:`~hf_magicdec.planner.roofline.forward_cost`.
+    seconds : float
+        Wall time (median or minimum over repeats), seconds.
+    """
+
+    kind: str
+    batch: int
+    query_tokens: int
+    kv_tokens: int
+    logit_tokens: int
+    seconds: float
+
+    def predict(self, model: ModelSpec, hardware: HardwareSpec) -> float:
+        """Roofline prediction of this forward on ``hardware``, seconds."""
+        return forward_cost(model, hardware, batch=self.batch, query_tokens=self.query_tokens,
+                            kv_tokens=self.kv_tokens, logit_tokens=self.logit_tokens).seconds
+
+
+@dataclass(frozen=True)
+class StepTimes:
+    """Step times measured on one prefilled cache.
+
+    Attributes
+    ----------
+    batch, context : int
+        Rows and cached tokens per row.
+    draft : str
+        Draft view used for the draft steps.
+    t_target : float
+        T_T: one 1-token step on the full cache, seconds.
+    t_verify : Mapping[int, float]
+        T_V per γ: one (γ+1)-token verification, seconds.
+    t_draft : Mapping[int, float]
+        T_D per budget: draft step 0 (view of ``budget`` tokens + its own), seconds.
+    prefill_seconds : float
+        Time to fill the cache and build the draft views, seconds (synthetic or real).
+    """
+
+    batch: int
+    context: int
+    draft: str
+    t_target: float
+    t_verify: Mapping[int, float] = field(hash=False)
+    t_draft: Mapping[int, float] = field(hash=False)
+    prefill_seconds: float = 0.0
+
+    def measurements(self) -> list[Measurement]:
+        """The times as :class:`Measurement` rows (the shapes the roofline needs)."""
+        s, b = self.context, self.batch
+        rows = [Measurement("target", b, 1, s + 1, 1, self.t_target)]
+        rows += [Measurement("verify", b, g + 1, s + g + 1, g + 1, t) for g, t in sorted(self.t_verify.items())]
+        # The draft attends to its whole view buffer (budget slots, masked where empty) + itself.
+        rows += [Measurement("draft", b, 1, k + 1, 1, t) for k, t in sorted(self.t_draft.items())]
+        return rows
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """Fitted effective rates of one model on one device in one dtype.
+
+    Attributes
+    ----------
+    model : str
+        Model name.
+    spec : ModelSpec
+        Its shapes (the fit is only meaningful for these).
+    device : str
+        Device key (see :func:`device_key`).
+    dtype : str
+        Canonical dtype.
+    bandwidth : float
+        Effective memory bandwidth, bytes/s.
+    flops : float
+        Effective FLOP/s.
+    overhead : float
+        Fixed cost per forward, seconds.
+    overlap : bool
+        Which form fitted better: roofline ``max`` (True) or ``compute + memory`` (False).
+    measurements : tuple[Measurement, ...]
+        What the fit saw.
+    rel_rms_error : float
+        Root-mean-square relative error of the fitted roofline on ``measurements`` (outliers
+        excluded).
+    outliers : tuple[int, ...]
+        Indices of measurements the fit left out (see
+        :func:`~hf_magicdec.planner.calibrate.fit`).
+    wall_seconds : float
+        Duration of the calibration run, seconds.
+    created : str
+        ISO timestamp.
+    versions : Mapping[str, str]
+        torch / transformers / Python versions and threads at measuring time.
+    """
+
+    model: str
+    spec: ModelSpec
+    device: str
+    dtype: str
+    bandwidth: float
+    flops: float
+    overhead: float
+    overlap: bool
+    measurements: tuple[Measurement, ...]
+    rel_rms_error: float
+    outliers: tuple[int, ...] = ()
+    wall_seconds: float = 0.0
+    created: str = ""
+    versions: Mapping[str, str] = field(default_factory=dict, hash=False)
+
+    def __post_init__(self) -> None:
+        check_number("bandwidth", self.bandwidth)
+        check_number("flops", self.flops)
+        check_number("overhead", self.overhead, allow_zero=True)
+
+    def hardware(self, base: HardwareSpec | str = "cpu") -> HardwareSpec:
+        """``base`` with the fitted bandwidth, FLOP/s (for :attr:`dtype`), overhead and form.
+
+        The tensor-parallel degree and interconnect of ``base`` are kept (calibration runs on
+        one device).
+        """
+        fitted = Fit(self.bandwidth, self.flops, self.overhead, self.overlap, self.rel_rms_error)
+        return fitted.hardware(base, self.dtype, name=f"{self.device} (calibrated)")
+
+    def predictions(self) -> list[tuple[Measurement, float]]:
+        """``(measurement, predicted seconds)`` for every measured forward."""
+        hw = self.hardware()
+        spec = self.spec.with_dtype(self.dtype)
+        return [(m, m.predict(spec, hw)) for m in self.measurements]
+
+    def table(self) -> str:
+        """Predicted vs measured, one line per forward."""
+        lines = [f"{'kind':<7}{'B':>4}{'q':>4}{'keys':>7}  {'measured ms':>12}{'predicted ms':>13}{'error':>8}"]
+        for i, (m, p) in enumerate(self.predictions()):
+            mark = "  (outlier, not fitted)" if i in self.outliers else ""
+            lines.append(f"{m.kind:<7}{m.batch:>4}{m.query_tokens:>4}{m.kv_tokens:>7}  {m.seconds * 1e3:>12.2f}"
+                         f"{p * 1e3:>13.2f}{(p - m.seconds) / m.seconds:>+8.1%}{mark}")
+        return "\n".join(lines)
+
+    def to_dict(self) -> dict[str, Any]:
+        out = dataclasses.asdict(self)
+        out["format"] = _FORMAT
+        out["versions"] = dict(self.versions)
+        return out
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "Calibration":
+        """Inverse of :meth:`to_dict`.
+
+        Raises
+        ------
+        ValueError
+            If the data was written by another format version.
+        """
+        if data.get("format") != _FORMAT:
+            raise ValueError(f"Calibration format {data.get('format')!r} is not {_FORMAT}; recalibrate.")
+        fields = {f.name for f in dataclasses.fields(cls)}
+        kwargs = {k: v for k, v in data.items() if k in fields}
+        kwargs["spec"] = ModelSpec(**data["spec"])
+        kwargs["measurements"] = tuple(Measurement(**m) for m in data["measurements"])
+        kwargs["outliers"] = tuple(data.get("outliers", ()))
+        return cls(**kwargs)
+
+    def save(self, path: str | os.PathLike) -> Path:
+        """Write JSON atomically; returns the path."""
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".tmp-{os.getpid()}")
+        tmp.write_text(json.dumps(self.to_dict(), indent=2))
+        os.replace(tmp, path)
+        return path
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> "Calibration":
+        return cls.from_dict(json.loads(Path(path).read_text()))
+
+
+@dataclass(frozen=True)
+class Fit:
+    """Result of :func:`~hf_magicdec.planner.calibrate.fit`.
+
+    Attributes
+    ----------
+    bandwidth : float
+        Effective bandwidth, bytes/s.
+    flops : float
+        Effective FLOP/s.
+    overhead : float
+        Seconds per forward.
+    overlap : bool
+        True: roofline ``max(compute, memory)`` per group; False: ``compute + memory``.
+    rel_rms_error : float
+        Root-mean-square relative error on the measurements that were kept.
+    outliers : tuple[int, ...]
+        Indices of measurements left out as outliers (e.g. timed while another process held
+        the CPU).
+    """
+
+    bandwidth: float
+    flops: float
+    overhead: float
+    overlap: bool
+    rel_rms_error: float
+    outliers: tuple[int, ...] = ()
+
+    def hardware(self, base: HardwareSpec | str, dtype: str, name: str | None = None) -> HardwareSpec:
+        """``base`` with the fitted numbers (FLOP/s for ``dtype``)."""
+        base = get_hardware(base)
+        flops = dict(base.peak_flops)
+        flops[dtype] = self.flops
+        return base.replace(name=name or base.name, peak_flops=flops, bandwidth=self.bandwidth,
+                            overhead=self.overhead, overlap=self.overlap)
+
+
+# ---------------------------------------------------------------------------------------- cache keys
+
+
+def _slug(text: str) -> str:
+    return re.sub(r"[^A-Za-z0-9._-]+", "-", text).strip("-").lower() or "unknown"
+
+
+def cpu_name() -> str:
+    """The CPU's model name (``/proc/cpuinfo``; ``platform`` elsewhere)."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as fh:
+            for line in fh:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "cpu"
+
+
+def device_key(device: Any = "cpu") -> str:
+    """Identify the device a calibration belongs to.
+
+    Parameters
+    ----------
+    device : str or torch.device
+        ``"cpu"`` or a CUDA device.
+
+    Returns
+    -------
+    str
+        ``"cpu-<model name>-<threads>t"`` (torch's intra-op threads, which change CPU timings as
+        much as the chip does) or ``"cuda-<device name>"``.
+    """
+    import torch
+
+    device = torch.device(device)
+    if device.type == "cuda":
+        return _slug(f"cuda-{torch.cuda.get_device_name(device)}")
+    return _slug(f"{device.type}-{cpu_name()}-{torch.get_num_threads()}t")
+
+
+def cache_root(cache_dir: str | os.PathLike | None = None) -> Path:
+    """The directory hf_magicdec keeps files in (calibrations; the tooling's converted checkpoints).
+
+    ``cache_dir`` if given, else ``$HF_MAGICDEC_CACHE``, else ``$XDG_CACHE_HOME/hf_magicdec/models``
+    (``~/.cache/hf_magicdec/models``).
+    """
+    if cache_dir is not None:
+        return Path(cache_dir).expanduser()
+    env = os.environ.get("HF_MAGICDEC_CACHE")
+    if env:
+        return Path(env).expanduser()
+    xdg = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(xdg) / "hf_magicdec" / "models"
+
+
+def calibration_path(model_name: str, spec: ModelSpec, device: str, dtype: str,
+                     cache_dir: str | os.PathLike | None = None) -> Path:
+    """Where the calibration of ``model_name`` (shapes ``spec``) on ``device`` in ``dtype`` lives.
+
+    ``<cache_root(cache_dir)>/calibration/<model>-<shape hash>__<device>__<dtype>.json``.
+    """
+    model = _slug(Path(model_name).name or model_name)  # a Hub id or a path: its last part
+    dtype = spec.with_dtype(dtype).dtype
+    return cache_root(cache_dir) / "calibration" / f"{model}-{spec.key()}__{_slug(device)}__{dtype}.json"
+
+
+def load_calibration(model_name: str, spec: ModelSpec, device: Any = "cpu", dtype: Any = None,
+                     cache_dir: str | os.PathLike | None = None) -> Calibration | None:
+    """The cached calibration for this model, device and dtype, or None (no weights are loaded)."""
+    dtype = spec.with_dtype(dtype).dtype if dtype is not None else spec.dtype
+    path = calibration_path(model_name, spec, device_key(device), dtype, cache_dir)
+    if not path.is_file():
+        return None
+    try:
+        return Calibration.load(path)
+    except (OSError, ValueError, KeyError, TypeError):
+        return None  # unreadable or stale format: calibrate again

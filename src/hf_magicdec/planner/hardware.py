@@ -1,0 +1,194 @@
+"""Hardware specifications: peak FLOP/s per dtype, memory bandwidth, tensor-parallel degree.
+
+Presets use vendor datasheet numbers for dense (non-sparse) tensor-core math, per GPU. They are
+*peaks*: a pure roofline built on them is optimistic (MagicDec §3 notes the roofline predicts 2–3×
+where 1.2–2.5× was measured), which is why :mod:`hf_magicdec.planner.calibrate` replaces
+them with effective values fitted on the real device. The ``"cpu"`` preset is only a placeholder
+of the right order of magnitude for a few-core x86 machine; calibrate before trusting it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+from ._checks import check_int, check_number
+from .dtypes import canonical_dtype
+
+__all__ = ["HardwareSpec", "HARDWARE_PRESETS", "get_hardware"]
+
+
+@dataclass(frozen=True)
+class HardwareSpec:
+    """One accelerator (or a tensor-parallel group of identical ones).
+
+    Parameters
+    ----------
+    name : str
+        Label shown in plans and plots.
+    peak_flops : Mapping[str, float]
+        Peak dense FLOP/s of one device per dtype (keys: canonical dtype names, see
+        :func:`~hf_magicdec.planner.dtypes.canonical_dtype`).
+    bandwidth : float
+        Memory bandwidth of one device, bytes/s.
+    memory_bytes : float
+        Memory capacity of one device, bytes (used only for the "does it fit" check).
+    tp : int
+        Tensor-parallel degree: weights, KV heads, query heads and vocabulary are split over
+        ``tp`` devices, and each layer adds two all-reduces.
+    link_bandwidth : float
+        Per-device, per-direction interconnect bandwidth used by all-reduce, bytes/s.
+    allreduce_latency : float
+        Fixed cost of one all-reduce, seconds (only when ``tp > 1``).
+    overhead : float
+        Fixed cost of one forward pass (kernel launches, Python), seconds. 0 in the GPU presets
+        (pure roofline); fitted by calibration.
+    overlap : bool
+        True (roofline): an op group costs ``max(compute, memory)``, the two overlap perfectly,
+        as on GPUs. False: ``compute + memory``, which describes small CPU matmuls better (see
+        :mod:`~hf_magicdec.planner.calibrate`, which picks whichever fits the device).
+
+    Raises
+    ------
+    ValueError
+        If a number is non-positive (``overhead``/``allreduce_latency`` may be 0) or ``tp`` is
+        not a positive int.
+
+    Examples
+    --------
+    >>> get_hardware("h100", tp=8).tp
+    8
+    """
+
+    name: str
+    peak_flops: Mapping[str, float] = field(hash=False)
+    bandwidth: float
+    memory_bytes: float = float("inf")
+    tp: int = 1
+    link_bandwidth: float = 300e9
+    allreduce_latency: float = 5e-6
+    overhead: float = 0.0
+    overlap: bool = True
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not self.name:
+            raise ValueError(f"name must be a non-empty str, got {self.name!r}.")
+        if not isinstance(self.peak_flops, Mapping) or not self.peak_flops:
+            raise ValueError(f"peak_flops must be a non-empty mapping dtype -> FLOP/s, got {self.peak_flops!r}.")
+        flops = {}
+        for key, value in self.peak_flops.items():
+            check_number(f"peak_flops[{key!r}]", value)
+            flops[canonical_dtype(key)] = float(value)
+        # Read-only copy: the dataclass is frozen, its mapping should be too.
+        object.__setattr__(self, "peak_flops", types.MappingProxyType(flops))
+        check_number("bandwidth", self.bandwidth)
+        if self.memory_bytes != float("inf"):  # inf = capacity unknown / not checked
+            check_number("memory_bytes", self.memory_bytes)
+        check_number("link_bandwidth", self.link_bandwidth)
+        check_number("allreduce_latency", self.allreduce_latency, allow_zero=True)
+        check_number("overhead", self.overhead, allow_zero=True)
+        check_int("tp", self.tp)
+        if not isinstance(self.overlap, bool):
+            raise ValueError(f"overlap must be a bool, got {self.overlap!r}.")
+
+    def peak(self, dtype: Any) -> float:
+        """Peak FLOP/s of one device for ``dtype``.
+
+        A dtype without its own entry falls back to the nearest wider one that has one
+        (float8 → bfloat16/float16 → float32): the math then runs at that rate.
+
+        Raises
+        ------
+        ValueError
+            If neither the dtype nor a wider one is listed.
+        """
+        name = canonical_dtype(dtype)
+        order = {"float8": ("float8", "bfloat16", "float16", "float32"),
+                 "bfloat16": ("bfloat16", "float16", "float32"),
+                 "float16": ("float16", "bfloat16", "float32"),
+                 "float32": ("float32",)}[name]
+        for key in order:
+            if key in self.peak_flops:
+                return self.peak_flops[key]
+        raise ValueError(f"{self.name!r} lists no peak FLOP/s for {dtype=!r} (has {sorted(self.peak_flops)}).")
+
+    def replace(self, **changes: Any) -> "HardwareSpec":
+        """Copy with ``changes`` applied (validated again)."""
+        if "peak_flops" not in changes:
+            changes["peak_flops"] = dict(self.peak_flops)
+        return dataclasses.replace(self, **changes)
+
+    def with_tp(self, tp: int) -> "HardwareSpec":
+        """The same device, ``tp`` of them in tensor parallel."""
+        return self.replace(tp=tp)
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-serialisable form."""
+        out = dataclasses.asdict(self)
+        out["peak_flops"] = dict(self.peak_flops)
+        return out
+
+
+_GB = 1e9
+_GIB = 1024**3
+
+#: Vendor datasheet peaks, dense, per device. NVLink figures are per direction.
+HARDWARE_PRESETS: dict[str, HardwareSpec] = {
+    "a100": HardwareSpec(
+        name="A100 80GB SXM",
+        peak_flops={"float32": 19.5e12, "bfloat16": 312e12, "float16": 312e12},
+        bandwidth=2039 * _GB, memory_bytes=80 * _GIB, link_bandwidth=300 * _GB,
+    ),
+    "h100": HardwareSpec(
+        name="H100 SXM",
+        peak_flops={"float32": 67e12, "bfloat16": 989e12, "float16": 989e12, "float8": 1979e12},
+        bandwidth=3350 * _GB, memory_bytes=80 * _GIB, link_bandwidth=450 * _GB,
+    ),
+    "h200": HardwareSpec(
+        name="H200 SXM",
+        peak_flops={"float32": 67e12, "bfloat16": 989e12, "float16": 989e12, "float8": 1979e12},
+        bandwidth=4800 * _GB, memory_bytes=141 * _GB, link_bandwidth=450 * _GB,
+    ),
+    "l40s": HardwareSpec(
+        # No NVLink: all-reduce goes over PCIe Gen4 x16 (~32 GB/s per direction, less in practice).
+        name="L40S",
+        peak_flops={"float32": 91.6e12, "bfloat16": 362e12, "float16": 362e12, "float8": 733e12},
+        bandwidth=864 * _GB, memory_bytes=48 * _GIB, link_bandwidth=25 * _GB, allreduce_latency=15e-6,
+    ),
+    "cpu": HardwareSpec(
+        # Placeholder for a few AVX2/AVX-512 cores and dual-channel DRAM; calibrate to replace it.
+        name="cpu (uncalibrated)",
+        peak_flops={"float32": 100e9, "bfloat16": 50e9, "float16": 25e9},
+        bandwidth=20 * _GB, link_bandwidth=10 * _GB, allreduce_latency=20e-6, overhead=2e-3, overlap=False,
+    ),
+}
+
+_PRESET_ALIASES = {"a100-80gb": "a100", "a100-sxm": "a100", "h100-sxm": "h100", "h200-sxm": "h200"}
+
+
+def get_hardware(name: str | HardwareSpec, tp: int = 1) -> HardwareSpec:
+    """Return a preset by name (case-insensitive), ``tp`` devices in tensor parallel.
+
+    Parameters
+    ----------
+    name : str or HardwareSpec
+        ``"a100"``, ``"h100"``, ``"h200"``, ``"l40s"`` or ``"cpu"``; a spec is returned as is
+        (with ``tp`` applied when ``tp != 1``).
+    tp : int
+        Tensor-parallel degree.
+
+    Raises
+    ------
+    ValueError
+        If the name is unknown.
+    """
+    if isinstance(name, HardwareSpec):
+        return name if tp == 1 else name.with_tp(tp)
+    key = str(name).strip().lower()
+    key = _PRESET_ALIASES.get(key, key)
+    if key not in HARDWARE_PRESETS:
+        raise ValueError(f"Unknown hardware {name=!r}; presets: {sorted(HARDWARE_PRESETS)}.")
+    spec = HARDWARE_PRESETS[key]
+    return spec if tp == 1 else spec.with_tp(tp)

@@ -1,0 +1,331 @@
+"""The planner: pick the draft view, budget K and γ with the best predicted speedup, or decide
+that plain decoding is faster.
+
+Search: every (draft, budget, γ) with ``budget < prompt_len`` (a larger view holds the whole
+prompt: nothing is compressed) that the view accepts (``view.fits(budget, gamma)``, the same
+check as :class:`~hf_magicdec.MagicDecConfig`), evaluated at the mean context over the
+generation, ``prompt_len + new_tokens / 2``. Step times come from the roofline on ``hardware``
+(or on the calibrated device when ``calibration`` is given).
+
+The planner stays torch-free: it never imports the views. Its callers hand it view objects
+(``hf_magicdec.views.get_view(name, **options)``; :func:`hf_magicdec.plan` takes names), read
+duck-typed: ``name``, ``fits(budget, gamma)``, ``query_aware`` and ``page_size`` (selection cost,
+:mod:`.selection`), and their dataclass fields (the options :meth:`Plan.to_config` carries).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Protocol
+
+from ._checks import check_int
+from .acceptance import AcceptanceLike
+from .hardware import HardwareSpec, get_hardware
+from .modelspec import ModelSpec
+from .roofline import target_step
+from .speculation import Estimate, estimate
+
+__all__ = ["Plan", "plan", "DraftLike", "DEFAULT_BUDGETS", "DEFAULT_DRAFTS", "DEFAULT_DRAFT_MODEL_DRAFTS",
+           "DEFAULT_GAMMAS"]
+
+#: View names the callers resolve (``hf_magicdec.plan``, ``generate`` with ``draft="auto"``).
+DEFAULT_DRAFTS = ("streamingllm", "snapkv")
+#: Views considered for a separate draft model's cache (``"full"`` keeps all of it).
+DEFAULT_DRAFT_MODEL_DRAFTS = ("full", "streamingllm", "snapkv")
+DEFAULT_BUDGETS = (128, 256, 512, 1024, 2048)
+DEFAULT_GAMMAS = tuple(range(1, 9))
+_RUNNER_UPS = 5
+
+
+class DraftLike(Protocol):
+    """What the planner reads of a draft view (:class:`hf_magicdec.views.DraftView`)."""
+
+    name: str
+    query_aware: bool
+
+    def fits(self, budget: int, gamma: int) -> bool: ...
+
+
+def _views(what: str, values: Iterable[Any]) -> tuple[Any, ...]:
+    values = tuple(values)
+    for v in values:
+        if isinstance(v, str) or not callable(getattr(v, "fits", None)) or not isinstance(getattr(v, "name", None), str):
+            raise TypeError(f"{what} must be draft view objects (hf_magicdec.views.get_view(name, **options)), got "
+                            f"{v!r}; hf_magicdec.plan takes names.")
+    return values
+
+
+def _options(view: Any) -> dict[str, Any]:
+    """The dataclass fields of ``view`` that differ from their defaults (its explicit options)."""
+    if not dataclasses.is_dataclass(view):
+        return {}
+    out = {}
+    for f in dataclasses.fields(view):
+        value = getattr(view, f.name)
+        default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+        if f.init and value != default:
+            out[f.name] = value
+    return out
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The planner's decision for one workload.
+
+    Attributes
+    ----------
+    speculate : bool
+        False when no candidate beats plain decoding (predicted speedup below
+        ``min_speedup``): use plain ``generate``.
+    draft, draft_budget, gamma :
+        Best candidate (``None`` when there was no candidate at all, e.g. a prompt shorter than
+        every budget).
+    predicted_speedup : float
+        Of the best candidate (1.0 when there is none).
+    acceptance : float or None
+        α assumed for the best candidate.
+    tokens_per_step : float or None
+        Ω(γ, α) of the best candidate.
+    t_target, t_draft, t_verify : float or None
+        Step times used, seconds: T_T, mean T_D over the γ draft steps, T_V.
+    runner_ups : tuple[Estimate, ...]
+        The best γ of each other (draft, budget), best first (at most 5).
+    batch_size, prompt_len, new_tokens, context :
+        The workload; ``context`` is the mean context used, tokens.
+    draft_model : str or None
+        Name of the separate draft model the best candidate drafts with (None: self-speculation).
+    draft_options : dict
+        The best candidate's view options away from their defaults (``{"window": 16}``).
+    model, hardware : str
+        Names of the model spec and the device (``"... (calibrated)"`` when calibrated, ``" xN"`` with
+        N-way tensor parallelism).
+    reason : str
+        One line explaining the decision.
+    """
+
+    speculate: bool
+    draft: str | None
+    draft_budget: int | None
+    gamma: int | None
+    predicted_speedup: float
+    acceptance: float | None
+    tokens_per_step: float | None
+    t_target: float
+    t_draft: float | None
+    t_verify: float | None
+    runner_ups: tuple[Estimate, ...]
+    batch_size: int
+    prompt_len: int
+    new_tokens: int
+    context: float
+    model: str
+    hardware: str
+    reason: str
+    draft_model: str | None = None
+    draft_options: dict[str, Any] = field(default_factory=dict)
+
+    def config_kwargs(self) -> dict[str, Any]:
+        """``MagicDecConfig`` keyword arguments of the best candidate.
+
+        Raises
+        ------
+        ValueError
+            If there is no candidate at all.
+        """
+        if self.draft is None:
+            raise ValueError(f"No speculative candidate for this workload: {self.reason}")
+        return {"draft": self.draft, "draft_budget": self.draft_budget, "gamma": self.gamma, **self.draft_options}
+
+    def summary(self) -> str:
+        """Human-readable multi-line description."""
+        lines = [f"model {self.model} on {self.hardware}: batch {self.batch_size}, prompt {self.prompt_len}, "
+                 f"{self.new_tokens} new tokens (mean context {self.context:g})"]
+        if self.draft is None:
+            lines.append(f"plain decoding: {self.reason}")
+            return "\n".join(lines)
+        verdict = "speculate" if self.speculate else "plain decoding"
+        lines.append(f"{verdict}: {self.reason}")
+        drafter = f" on draft model {self.draft_model}" if self.draft_model else ""
+        lines.append(f"best: draft={self.draft}{drafter} budget={self.draft_budget} gamma={self.gamma}  "
+                     f"alpha={self.acceptance:.3f}  tokens/step={self.tokens_per_step:.2f}  "
+                     f"predicted speedup {self.predicted_speedup:.2f}x")
+        lines.append(f"steps: T_T={self.t_target * 1e3:.3f} ms  T_D={self.t_draft * 1e3:.3f} ms "
+                     f"(T_D/T_T={self.t_draft / self.t_target:.3f})  T_V={self.t_verify * 1e3:.3f} ms "
+                     f"(T_V/T_T={self.t_verify / self.t_target:.3f})")
+        if self.runner_ups:
+            lines.append("runner-ups:")
+            for e in self.runner_ups:
+                name = e.draft if e.draft_model is None else f"{e.draft} ({e.draft_model})"
+                lines.append(f"  {name:<13} budget {e.draft_budget:<5} gamma {e.gamma}  alpha {e.acceptance:.3f}  "
+                             f"speedup {e.speedup:.2f}x")
+        return "\n".join(lines)
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-serialisable form."""
+        out = dataclasses.asdict(self)
+        out["runner_ups"] = [dataclasses.asdict(e) for e in self.runner_ups]
+        return out
+
+
+def _model_spec(model_or_config: Any, dtype: Any) -> ModelSpec:
+    if isinstance(model_or_config, ModelSpec):
+        return model_or_config if dtype is None else model_or_config.with_dtype(dtype)
+    # A model (has .config) or a config object/dict.
+    config = getattr(model_or_config, "config", model_or_config)
+    if dtype is None:
+        # A loaded model's parameters may have been cast after its config was written.
+        param_dtype = getattr(model_or_config, "dtype", None) if hasattr(model_or_config, "config") else None
+        dtype = param_dtype
+    return ModelSpec.from_config(config, dtype=dtype)
+
+
+def plan(
+    model_or_config: Any,
+    *,
+    batch_size: int,
+    prompt_len: int,
+    new_tokens: int,
+    hardware: str | HardwareSpec = "h100",
+    dtype: Any = None,
+    acceptance: AcceptanceLike = None,
+    drafts: Iterable[DraftLike] | None = None,
+    budgets: Iterable[int] = DEFAULT_BUDGETS,
+    gammas: Iterable[int] = DEFAULT_GAMMAS,
+    calibration: Any = None,
+    tp: int = 1,
+    min_speedup: float = 1.0,
+    draft_model: Any = None,
+    draft_model_drafts: Iterable[DraftLike] | None = None,
+    self_speculation: bool = True,
+) -> Plan:
+    """Choose draft view, budget and γ for a workload, or plain decoding.
+
+    Parameters
+    ----------
+    model_or_config : PreTrainedModel, PretrainedConfig, dict or ModelSpec
+        What to model (only the shapes and dtype are read; no weights are touched).
+    batch_size : int
+        Rows generated together.
+    prompt_len : int
+        Prompt tokens per row.
+    new_tokens : int
+        Tokens generated per row.
+    hardware : str or HardwareSpec
+        Preset name (``"a100"``, ``"h100"``, ``"h200"``, ``"l40s"``, ``"cpu"``) or a spec.
+    dtype : str or torch.dtype, optional
+        Overrides the config's dtype.
+    acceptance : None, float, Mapping or callable
+        α per candidate, see :func:`~hf_magicdec.planner.acceptance.resolve_acceptance`
+        (``None``: :func:`~hf_magicdec.planner.acceptance.default_acceptance`).
+    drafts : iterable of draft views
+        The views to consider (objects, e.g. ``[get_view("snapkv", window=16)]`` from
+        :mod:`hf_magicdec.views`; :func:`hf_magicdec.plan` takes names). Required for
+        self-speculation.
+    budgets, gammas :
+        The rest of the search space.
+    calibration : Calibration, optional
+        Fitted device (:func:`hf_magicdec.step_timing.calibrate`); replaces
+        ``hardware``'s rates and overhead.
+    tp : int
+        Tensor-parallel degree.
+    min_speedup : float
+        Speculate only when the best predicted speedup reaches this (1.0: any gain).
+    draft_model : PreTrainedModel, config, dict or ModelSpec, optional
+        A separate small draft model: its candidates (each view in ``draft_model_drafts``
+        compressing *its* cache; ``"full"`` keeps all of it) compete with self-speculation.
+    draft_model_drafts : iterable of draft views
+        Views considered for the draft model's cache (required with ``draft_model``).
+    self_speculation : bool
+        Whether self-speculation candidates compete too.
+
+    Returns
+    -------
+    Plan
+
+    Raises
+    ------
+    ValueError
+        For non-positive sizes, an empty search space, unknown hardware or dtype.
+    TypeError
+        For drafts that are not view objects (names: use :func:`hf_magicdec.plan`).
+
+    Examples
+    --------
+    >>> views = [get_view("streamingllm"), get_view("snapkv")]                                     # doctest: +SKIP
+    >>> p = plan(llama_config, batch_size=64, prompt_len=32768, new_tokens=256, hardware="h100", drafts=views)  # doctest: +SKIP
+    >>> p.speculate, MagicDecConfig.from_any(p)                                                               # doctest: +SKIP
+    """
+    check_int("batch_size", batch_size)
+    check_int("prompt_len", prompt_len)
+    check_int("new_tokens", new_tokens, 0)
+    if drafts is None and self_speculation:
+        raise ValueError("drafts: pass the draft views to consider (view objects, e.g. "
+                         "hf_magicdec.views.get_view('snapkv')); hf_magicdec.plan takes names.")
+    if draft_model_drafts is None and draft_model is not None:
+        raise ValueError("draft_model_drafts: pass the draft views to consider for the draft model's cache.")
+    drafts = _views("drafts", drafts if drafts is not None else ())
+    draft_model_drafts = _views("draft_model_drafts", draft_model_drafts if draft_model_drafts is not None else ())
+    budgets, gammas = tuple(budgets), tuple(gammas)
+    for name, values in (("drafts", drafts if self_speculation else (None,)), ("budgets", budgets),
+                         ("gammas", gammas)):
+        if not values:
+            raise ValueError(f"{name} must not be empty.")
+    for b in budgets:
+        check_int("budget", b)
+    for g in gammas:
+        check_int("gamma", g)
+    spec = _model_spec(model_or_config, dtype)
+    hw = get_hardware(hardware, tp)
+    if calibration is not None:
+        hw = calibration.hardware(hw)
+    context = prompt_len + new_tokens / 2
+    # Step functions take whole tokens; round the mean context.
+    s = int(round(context))
+    tt = target_step(spec, hw, batch_size, s).seconds
+    common = dict(batch_size=batch_size, prompt_len=prompt_len, new_tokens=new_tokens, context=context,
+                  model=spec.name, hardware=hw.name + (f" x{hw.tp}" if hw.tp > 1 else ""))
+
+    # (estimate, view) of every candidate the view accepts.
+    candidates = [
+        (estimate(spec, hw, batch=batch_size, context=s, draft=d, budget=k, gamma=g, acceptance=acceptance,
+                  t_target=tt), d)
+        for d in drafts if self_speculation and d.name != "full" for k in budgets if k < prompt_len
+        for g in gammas if d.fits(k, g)
+    ]
+    if draft_model is not None:
+        dspec = _model_spec(draft_model, dtype)
+        for d in draft_model_drafts:
+            # The full view holds the whole context: its "budget" is the context.
+            view_budgets = (s,) if d.name == "full" else tuple(k for k in budgets if k < prompt_len)
+            candidates += [
+                (estimate(spec, hw, batch=batch_size, context=s, draft=d, budget=k, gamma=g, acceptance=acceptance,
+                          t_target=tt, draft_model=dspec), d)
+                for k in view_budgets for g in gammas if d.name == "full" or d.fits(k, g)
+            ]
+    if not candidates:
+        return Plan(False, None, None, None, 1.0, None, None, tt, None, None, (),
+                    reason=f"no candidate: every budget in {budgets} is >= prompt_len={prompt_len} "
+                           "(nothing to compress) or invalid for the given gammas",
+                    **common)
+    candidates.sort(key=lambda c: c[0].speedup, reverse=True)
+    estimates = [e for e, _ in candidates]
+    best = estimates[0]
+    # Runner-ups: the best gamma of each other (draft, budget), so the list shows alternatives
+    # rather than the winner's neighbouring gammas.
+    seen = {(best.draft, best.draft_budget, best.draft_model)}
+    runner_ups = []
+    for e in estimates[1:]:
+        if (e.draft, e.draft_budget, e.draft_model) not in seen:
+            seen.add((e.draft, e.draft_budget, e.draft_model))
+            runner_ups.append(e)
+    speculate = best.speedup >= min_speedup
+    if speculate:
+        reason = f"predicted {best.speedup:.2f}x >= {min_speedup:g}x"
+    else:
+        reason = (f"best predicted speedup {best.speedup:.2f}x < {min_speedup:g}x: verification or drafting "
+                  "costs more than the accepted tokens save at this batch and context")
+    common["draft_model"] = best.draft_model
+    common["draft_options"] = _options(candidates[0][1])
+    return Plan(speculate, best.draft, best.draft_budget, best.gamma, best.speedup, best.acceptance, best.omega,
+                tt, best.t_draft, best.t_verify, tuple(runner_ups[:_RUNNER_UPS]), reason=reason, **common)

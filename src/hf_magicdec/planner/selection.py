@@ -1,0 +1,72 @@
+"""Per-draft-step selection cost of query-aware draft views (``dynamic``), on the same roofline.
+
+A static view (``streamingllm``, ``snapkv``) is chosen once after prefill: its draft steps cost
+:func:`~hf_magicdec.planner.roofline.draft_step` only. A query-aware view (``view.query_aware``,
+e.g. ``dynamic``) re-selects pages at every draft step, in every layer, which adds, per layer and
+row (``S`` context tokens, ``P`` the view's ``page_size``, ``K`` budget)::
+
+    read summaries    bytes = 2·Hkv·⌈S/P⌉·Dh·kvb          (key min and max: 2/P of the keys)
+    score pages       FLOPs = 4·H·⌈S/P⌉·Dh                (q⁺·max + q⁻·min, two products)
+    gather the pages  bytes = 2·2·Hkv·K·Dh·kvb            (read K tokens' K and V, write them)
+
+each group costing ``max(FLOPs / peak, bytes / bandwidth)`` (their sum without overlap) like the
+roofline's. Not modelled: the top-k over ``⌈S/P⌉`` pages and the kernel launches of selection.
+``S`` is the context the planner evaluates at (prompt + half the new tokens), a slight
+overestimate: summaries only cover the prompt. No selection when the view holds the context.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from ..defaults import DEFAULT_PAGE_SIZE
+from ._checks import check_int
+from .hardware import HardwareSpec
+from .modelspec import ModelSpec
+from .roofline import _group
+
+__all__ = ["selection_seconds"]
+
+
+def selection_seconds(model: ModelSpec, hardware: HardwareSpec, batch: int, context: int, budget: int,
+                      draft: Any) -> float:
+    """Seconds one draft step of ``draft`` spends selecting its view (0 for static views).
+
+    Parameters
+    ----------
+    model, hardware :
+        What runs where (``hardware.tp`` splits the heads).
+    batch : int
+        Rows B.
+    context : int
+        Context S, tokens.
+    budget : int
+        Draft budget K, tokens.
+    draft : draft view
+        A view object (:mod:`hf_magicdec.views`, read duck-typed: only ``query_aware`` views cost
+        anything, pages of their ``page_size``, else :data:`~hf_magicdec.defaults.DEFAULT_PAGE_SIZE`).
+        A name stands for a static view.
+
+    Returns
+    -------
+    float
+        Seconds, summed over layers.
+    """
+    check_int("batch", batch, 1)
+    check_int("context", context, 0)
+    check_int("budget", budget, 1)
+    if not getattr(draft, "query_aware", False) or budget >= context:
+        return 0.0
+    page_size = getattr(draft, "page_size", DEFAULT_PAGE_SIZE)
+    check_int("page_size", page_size, 1)
+    tp = hardware.tp
+    heads, kv_heads = math.ceil(model.heads / tp), math.ceil(model.kv_heads / tp)
+    pages = math.ceil(context / page_size)
+    peak, bw = hardware.peak(model.dtype), hardware.bandwidth
+    summaries = 2 * batch * kv_heads * pages * model.head_dim * model.kv_bytes
+    flops = 4.0 * batch * heads * pages * model.head_dim
+    gather = 2 * 2 * batch * kv_heads * budget * model.head_dim * model.kv_bytes
+    score = _group(flops, float(summaries), peak, bw, model.layers, hardware.overlap)
+    move = _group(0.0, float(gather), peak, bw, model.layers, hardware.overlap)
+    return score.seconds + move.seconds

@@ -1,0 +1,167 @@
+"""Unit tests of MagicDecCache: ragged writes, commit / rollback, draft views, row removal."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hf_magicdec import MagicDecConfig
+from hf_magicdec.engine.cache import MagicDecCache
+from hf_magicdec.views import snapkv_scores
+
+B, HKV, D = 3, 2, 4
+
+
+def _slot_keys(batch, heads, start, length, row_offset=1000):
+    """Keys whose first feature encodes (row, slot): easy to read back."""
+    slot = torch.arange(start, start + length, dtype=torch.float32)
+    k = torch.zeros(batch, heads, length, D)
+    k[..., 0] = slot + row_offset * torch.arange(batch, dtype=torch.float32)[:, None, None]
+    return k
+
+
+def _prefilled(prompt=20, pad=(0, 5, 12), layers=2, capacity=64):
+    cache = MagicDecCache(layers, B, capacity, torch.tensor(pad))
+    cache.begin_prefill(0, prompt)
+    for layer in range(layers):
+        k = _slot_keys(B, HKV, 0, prompt)
+        cache.update(k, k.clone(), layer)
+    cache.end_prefill(prompt)
+    return cache
+
+
+def _slots(t):
+    """Decode (row, slot) encoded keys back into slots: [B, H, S]."""
+    return (t[..., 0] - 1000 * torch.arange(t.shape[0])[:, None, None]).long()
+
+
+def test_update_outside_engine_refuses():
+    cache = MagicDecCache(1, 1, 8, torch.zeros(1, dtype=torch.long))
+    with pytest.raises(RuntimeError, match="outside a MagicDec step"):
+        cache.update(torch.zeros(1, 1, 1, D), torch.zeros(1, 1, 1, D), 0)
+
+
+def test_verify_writes_ragged_rows_and_rollback_is_o1():
+    cache = _prefilled()
+    cache.lengths = torch.tensor([20, 22, 25])  # rows at different offsets
+    cache._max_len = 25
+    cache.begin_verify(3)
+    k = torch.full((B, HKV, 3, D), 7.0)
+    keys, _ = cache.update(k, k, 0)
+    assert keys.shape[2] == 28  # max length + q
+    for b, start in enumerate([20, 22, 25]):
+        assert (cache.layers[0].keys[b, :, start : start + 3] == 7.0).all()
+    cache.commit(torch.tensor([1, 0, 3]))
+    assert cache.lengths.tolist() == [21, 22, 28] and cache.max_length() == 28
+    # Rolled-back slots are simply overwritten by the next verify.
+    cache.begin_verify(1)
+    cache.update(torch.full((B, HKV, 1, D), 9.0), torch.zeros(B, HKV, 1, D), 0)
+    assert (cache.layers[0].keys[1, :, 22] == 9.0).all()
+
+
+def test_streamingllm_view_holds_sinks_and_recent_window():
+    cache = _prefilled(prompt=20, pad=(0, 5, 12))
+    config = MagicDecConfig(draft="streamingllm", draft_budget=10, sink_tokens=3, gamma=2)
+    cache.build_draft_views(config.view, config, 20, max_new_tokens=8)
+    valid = cache.draft_valid()
+    for b, pad in enumerate([0, 5, 12]):
+        slots = _slots(cache.layers[1].draft_keys)[b, 0, :10].tolist()
+        # sinks = first 3 real tokens, window = last 7 (row 2 has only 8 real tokens: all kept).
+        n = 20 - pad
+        if n >= 10:
+            expected = list(range(pad, pad + 3)) + list(range(13, 20))
+            assert sorted(slots) == expected and valid[b].all()
+        else:
+            assert sorted(s for s, v in zip(slots, valid[b].tolist()) if v) == list(range(pad, 20))
+
+
+def test_rolling_window_evicts_and_budget_stays_fixed():
+    cache = _prefilled(prompt=20, pad=(0, 0, 0), capacity=80)
+    config = MagicDecConfig(draft="streamingllm", draft_budget=8, sink_tokens=2, gamma=3)
+    cache.build_draft_views(config.view, config, 20, max_new_tokens=40)
+    for step in range(10):
+        cache.begin_verify(4)
+        start = cache.lengths.clone()
+        for layer in range(2):
+            k = torch.stack([_slot_keys(1, HKV, int(s), 4)[0] + 1000 * b for b, s in enumerate(start.tolist())])
+            cache.update(k, k, layer)
+        cache.commit(torch.tensor([4, 1, 2]))
+    view = _slots(cache.layers[0].draft_keys)[:, 0, :8]
+    assert cache.draft_valid().sum(1).tolist() == [8, 8, 8]
+    for b in range(B):
+        length = int(cache.lengths[b])
+        assert sorted(view[b].tolist()) == [0, 1] + list(range(length - 6, length))
+
+
+def _snapkv_reference(queries, keys, valid, scaling, kernel):
+    """Loop-by-loop SnapKV: per query head, window query, softmax over allowed keys."""
+    batch, heads, window, _ = queries.shape
+    kv_heads, slots = keys.shape[1], keys.shape[2]
+    group = heads // kv_heads
+    out = torch.zeros(batch, kv_heads, slots, dtype=torch.float64)
+    for b in range(batch):
+        for h in range(heads):
+            acc = torch.zeros(slots, dtype=torch.float64)
+            for i in range(window):
+                q_slot = slots - window + i
+                if not valid[b, q_slot]:
+                    continue
+                allowed = valid[b] & (torch.arange(slots) <= q_slot)
+                logits = (keys[b, h // group].double() @ queries[b, h, i].double()) * scaling
+                logits[~allowed] = float("-inf")
+                acc += torch.softmax(logits, 0)
+            pooled = torch.nn.functional.avg_pool1d(acc[None, None], kernel, 1, kernel // 2)[0, 0]
+            out[b, h // group] += pooled
+    return out
+
+
+@pytest.mark.parametrize("group", [1, 3, 4, 7])
+def test_snapkv_scores_match_loop_reference_for_any_gqa_ratio(group):
+    torch.manual_seed(group)
+    batch, kv_heads, slots, window = 2, 2, 30, 6
+    queries = torch.randn(batch, kv_heads * group, window, D)
+    keys = torch.randn(batch, kv_heads, slots, D)
+    valid = torch.ones(batch, slots, dtype=torch.bool)
+    valid[1, :27] = False  # row 1: only 3 real tokens, shorter than the window
+    got = snapkv_scores(queries, keys, valid, D**-0.5, 5)
+    want = _snapkv_reference(queries, keys, valid, D**-0.5, 5)
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-6)
+
+
+def test_snapkv_view_selects_top_scored_tokens_without_duplicates():
+    cache = _prefilled(prompt=20, pad=(0, 5, 12))
+    torch.manual_seed(0)
+    for layer in cache.layers:
+        layer.observed_queries = torch.randn(B, HKV * 3, 4, D)
+        layer.scaling = 0.5
+    config = MagicDecConfig(draft="snapkv", draft_budget=10, window=4, gamma=2)
+    cache.build_draft_views(config.view, config, 20, max_new_tokens=8)
+    valid = cache.draft_valid()
+    for b, pad in enumerate([0, 5, 12]):
+        for h in range(HKV):
+            slots = [s for s, v in zip(_slots(cache.layers[0].draft_keys)[b, h, :10].tolist(), valid[b].tolist()) if v]
+            assert len(slots) == len(set(slots)), "a token appears twice in the view"
+            assert all(s >= pad for s in slots), "a padding slot was selected"
+            n = 20 - pad
+            assert len(slots) == min(10, n)
+            if n > 10:  # 6 selected among the earlier tokens + the 4-token window
+                assert set(range(16, 20)) <= set(slots)
+
+
+def test_select_rows_keeps_state_aligned():
+    cache = _prefilled()
+    config = MagicDecConfig(draft="streamingllm", draft_budget=10, sink_tokens=3, gamma=2)
+    cache.build_draft_views(config.view, config, 20, max_new_tokens=8)
+    before = cache.layers[0].keys[2].clone()
+    cache.select_rows(torch.tensor([2, 0]))
+    assert cache.num_rows == 2 and cache.pad.tolist() == [12, 0]
+    assert torch.equal(cache.layers[0].keys[0], before)
+    assert cache.draft_valid().shape == (2, 10)
+
+
+def test_crop_and_beam_reorder_refuse():
+    cache = _prefilled()
+    with pytest.raises(NotImplementedError):
+        cache.crop(3)
+    with pytest.raises(NotImplementedError):
+        cache.reorder_cache(torch.tensor([0, 1, 2]))
