@@ -100,7 +100,7 @@ def _pg19() -> tuple[tuple[str, str], ...]:
             "HF_DATASETS_OFFLINE is set; use source='shakespeare' or 'files:<glob>'"
         )
     try:
-        import datasets  # noqa: F401  (optional dependency, only for this source)
+        import datasets  # optional dependency (only for this source)
     except ImportError as exc:
         raise ModuleNotFoundError(
             "source 'pg19' needs the 'datasets' package: pip install datasets"
@@ -265,7 +265,7 @@ def text_dataset(source: str | Sequence[tuple[str, str]] = "auto") -> Any:
     38
     """
     try:
-        import datasets
+        import datasets  # optional dependency
     except ImportError as exc:
         raise ModuleNotFoundError("text_dataset needs the 'datasets' package: pip install datasets") from exc
     docs = long_texts(source) if isinstance(source, str) else list(source)

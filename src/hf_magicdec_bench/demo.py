@@ -13,13 +13,13 @@ from __future__ import annotations
 
 import sys
 
+from .bench.cli import main as bench_main
+
 DEFAULTS = ["--batch", "8", "--context", "2048", "--new-tokens", "64", "--budget", "256", "--gamma", "3",
             "--draft", "streamingllm", "snapkv", "--out", "demo_out"]
 
 
 def main(argv: list[str] | None = None) -> int:
-    from .bench.cli import main as bench_main
-
     argv = list(sys.argv[1:] if argv is None else argv)
     return bench_main(DEFAULTS + argv, prog="python -m hf_magicdec_bench.demo")
 

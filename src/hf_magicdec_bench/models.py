@@ -43,7 +43,9 @@ from pathlib import Path
 from typing import Any, Iterator
 
 import torch
-from hf_magicdec.costmodel.calibrate import cache_root
+from hf_magicdec.planner.calibrate import cache_root
+from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
+from transformers.utils import logging as hf_logging
 
 __all__ = ["KNOWN_MODELS", "KnownModel", "load", "model_cache_dir", "default_cache_root"]
 
@@ -213,8 +215,6 @@ def _locate_parts(spec: KnownModel) -> list[Path]:
 @contextmanager
 def _progress_bars(enabled: bool) -> Iterator[None]:
     """Switch transformers' tqdm bars off for the duration, if requested."""
-    from transformers.utils import logging as hf_logging
-
     if enabled:
         yield
         return
@@ -224,7 +224,7 @@ def _progress_bars(enabled: bool) -> Iterator[None]:
     # The GGUF de-quantization loop uses a plain ``tqdm`` that ignores the switch above.
     gguf_utils = None
     try:
-        from transformers import modeling_gguf_pytorch_utils as gguf_utils
+        from transformers import modeling_gguf_pytorch_utils as gguf_utils  # optional dependency (gguf)
     except ImportError:  # pragma: no cover - gguf support missing
         pass
     original = getattr(gguf_utils, "tqdm", None)
@@ -313,8 +313,6 @@ def _fix_generation_config(model: Any, tokenizer: Any) -> None:
 
 def _convert(spec: KnownModel, target: Path, progress: bool) -> None:
     """Dequantize the GGUF of ``spec`` and save it atomically to ``target``."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
-
     files = _locate_parts(spec)
     target.parent.mkdir(parents=True, exist_ok=True)
     level = logging.WARNING if progress else logging.INFO
@@ -431,8 +429,6 @@ def load(
     >>> model, tok = load()                                   # doctest: +SKIP
     >>> model, tok = load("qwen2.5-coder-0.5b", dtype=torch.bfloat16)  # doctest: +SKIP
     """
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     name = os.fspath(name_or_path)
     key = name.strip().lower()
     kwargs: dict[str, Any] = {"dtype": dtype}

@@ -17,8 +17,17 @@ import sys
 from pathlib import Path
 from typing import Any, Sequence
 
-from hf_magicdec.costmodel import HARDWARE_PRESETS, ModelSpec, Plan, get_hardware, plan
-from hf_magicdec.costmodel.planner import DEFAULT_BUDGETS, DEFAULT_DRAFTS, DEFAULT_GAMMAS
+import torch
+from hf_magicdec import step_timing
+from hf_magicdec.planner import HARDWARE_PRESETS, ModelSpec, Plan, get_hardware, plan
+from hf_magicdec.planner import calibrate as cal
+from hf_magicdec.planner.search import DEFAULT_BUDGETS, DEFAULT_DRAFTS, DEFAULT_GAMMAS
+from hf_magicdec.step_timing import probe_acceptance
+from hf_magicdec.views import get_view
+from transformers import AutoConfig
+
+from . import models
+from .data import prompt_batch
 
 GRID_BATCHES = (1, 2, 4, 8, 16, 32, 64)
 GRID_CONTEXTS = (1024, 2048, 4096, 8192, 16384, 32768)
@@ -88,8 +97,6 @@ def read_model_config(model: str) -> tuple[str, dict[str, Any] | Any]:
     ValueError
         If the config cannot be found.
     """
-    from . import models
-
     key = model.strip().lower()
     if key in models.KNOWN_MODELS:
         path = models.model_cache_dir(key) / "config.json"
@@ -105,8 +112,6 @@ def read_model_config(model: str) -> tuple[str, dict[str, Any] | Any]:
     if path.is_dir() and (path / "config.json").is_file():
         return path.name, _read_json(path / "config.json")
     try:
-        from transformers import AutoConfig
-
         return name, AutoConfig.from_pretrained(model)
     except Exception as exc:  # noqa: BLE001 - any loader failure means "no config"
         hint = ""
@@ -124,10 +129,6 @@ def _load_model(model: str, dtype: str, device: str) -> tuple[Any, Any]:
     """Load (once per process) the model behind ``--model`` for measuring."""
     key = (model, dtype, device)
     if key not in _LOADED:
-        import torch
-
-        from . import models
-
         source = Path(model).expanduser()
         # A config.json path names the checkpoint directory it sits in.
         source = source.parent if source.is_file() else model
@@ -138,12 +139,6 @@ def _load_model(model: str, dtype: str, device: str) -> tuple[Any, Any]:
 
 def _probe(args, spec: ModelSpec) -> dict[tuple[str, int], float]:
     """α per (draft, budget) from short generations, at a context of min(prompt_len, 2048)."""
-    import torch
-
-    from hf_magicdec.step_timing import probe_acceptance
-
-    from .data import prompt_batch
-
     # α does not depend on the device: probe wherever the model runs here.
     device = "cuda" if torch.cuda.is_available() else "cpu"
     model, tokenizer = _load_model(args.model, spec.dtype, device)
@@ -164,13 +159,8 @@ def _calibration(args, name: str, spec: ModelSpec) -> Any:
     """The calibration to use (cached or measured now), or None."""
     if args.calibrate is False:
         return None
-    from hf_magicdec import step_timing
-    from hf_magicdec.costmodel import calibrate as cal
-
     cuda = args.hardware != "cpu"
     if cuda:
-        import torch
-
         if not torch.cuda.is_available():
             if args.calibrate:
                 raise SystemExit(f"--calibrate with --hardware {args.hardware} needs a CUDA device on this machine.")
@@ -204,8 +194,6 @@ def _calibration(args, name: str, spec: ModelSpec) -> Any:
 
 def _views(names: Sequence[str]) -> tuple[Any, ...]:
     """The draft views called ``names`` (default options); the planner takes view objects."""
-    from hf_magicdec.views import get_view
-
     return tuple(get_view(name) for name in names)
 
 
@@ -245,11 +233,11 @@ def format_grid(grid: list[list[Plan]], batches: Sequence[int], contexts: Sequen
 
 def plot_grid(grid: list[list[Plan]], batches: Sequence[int], contexts: Sequence[int], path: str, title: str) -> None:
     """Write a heatmap of the grid (speedup colour, centred on 1×) to ``path``."""
-    import matplotlib
+    import matplotlib  # optional dependency
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    from matplotlib.colors import TwoSlopeNorm
+    import matplotlib.pyplot as plt  # optional dependency
+    from matplotlib.colors import TwoSlopeNorm  # optional dependency
 
     values = [[p.predicted_speedup for p in row] for row in grid]
     flat = [v for row in values for v in row]

@@ -2,12 +2,9 @@
 per step of ``speculative="magicdec"`` against stock ``model.generate``, on a real model and real
 long text, side by side in one process on the same prompts.
 
-Example (the issue's CPU target; about 10 minutes on 2 cores)::
-
-    hf-magicdec bench --batch 8 --context 4096 --new-tokens 128 --draft streamingllm snapkv --budget 256 --gamma 3
-
-Writes ``<out>/results.jsonl`` (one row per run, with environment metadata) and PNG plots, and
-prints a table. Exit status 1 if any speculative output differed from stock ``generate``.
+The command, its options and its output: :mod:`.cli`; the grid: :mod:`.runner`; measuring one
+``generate`` call: :mod:`.harness`; tables and plots: :mod:`.report`; RULER tasks: :mod:`.ruler_mode`;
+``hf-magicdec acceptance``: :mod:`.acceptance`.
 """
 
 from __future__ import annotations

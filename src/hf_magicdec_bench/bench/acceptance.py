@@ -1,6 +1,6 @@
 """``hf-magicdec acceptance``: acceptance rate and tokens per step over draft views x budgets x
 contexts on a real model and real long text, with one prefill shared by all configurations of a
-context (:func:`hf_magicdec.generation.shared_prefill`), so long contexts stay affordable.
+context (:func:`hf_magicdec.shared_prefill`), so long contexts stay affordable.
 
     hf-magicdec acceptance --contexts 2048 4096 8192 --budgets 128 256 512 1024 --batch 4 --new-tokens 64
 
@@ -20,6 +20,15 @@ import os
 import sys
 from collections import defaultdict
 from pathlib import Path
+
+import torch
+from hf_magicdec import MagicDecConfig, shared_prefill
+from tqdm.auto import tqdm
+
+from .. import data
+from .harness import environment
+from .report import acceptance_plot
+from .runner import load_model, resolve_device
 
 log = logging.getLogger("hf_magicdec")
 
@@ -48,8 +57,6 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
 
-    from hf_magicdec import MagicDecConfig
-
     for name in ("batch", "new_tokens", "prefill_chunk"):
         if getattr(args, name) < 1:
             ap.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
@@ -66,15 +73,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def sweep(args, grid) -> list[dict]:
-    import torch
-    from tqdm.auto import tqdm
-
-    from hf_magicdec.generation import shared_prefill
-
-    from .. import data
-    from .harness import environment
-    from .runner import load_model, resolve_device
-
     device = resolve_device(args.device)
     model, tokenizer = load_model(args.model, args.dtype, device)
     env = environment(device)
@@ -142,8 +140,6 @@ def write(rows: list[dict], out: Path, args) -> None:
     table = markdown(rows)
     (out / "acceptance.md").write_text(f"{title}\n\nacceptance rate (tokens per step)\n\n{table}\n")
     print(f"\n{title}\nacceptance rate (tokens per step)\n\n{table}\n")
-    from .report import acceptance_plot
-
     series = defaultdict(list)
     for r in rows:
         series[(r["draft"], r["context"], "")].append((r["budget"], r["acceptance_rate"]))

@@ -1,12 +1,31 @@
-"""Command line of ``hf-magicdec bench``."""
+"""``hf-magicdec bench`` / ``python -m hf_magicdec_bench.bench``: decode speedup, acceptance and tokens
+per step of ``speculative="magicdec"`` against stock ``model.generate``, on a real model and real
+long text, side by side in one process on the same prompts.
+
+Example (the issue's CPU target; about 10 minutes on 2 cores)::
+
+    hf-magicdec bench --batch 8 --context 4096 --new-tokens 128 --draft streamingllm snapkv --budget 256 --gamma 3
+
+Writes ``<out>/results.jsonl`` (one row per run, with environment metadata) and PNG plots, and
+prints a table. Exit status 1 if any speculative output differed from stock ``generate``.
+"""
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import os
 import sys
 from pathlib import Path
+
+import torch
+
+from ..ruler import TASKS
+from .harness import environment
+from .report import breakdown_table, plots, table, write_jsonl
+from .ruler_mode import ruler_table, run_ruler
+from .runner import BenchSpec, resolve_device, run
 
 log = logging.getLogger("hf_magicdec")
 
@@ -21,9 +40,7 @@ def _int_or_auto(text: str):
 
 
 def build_parser(prog: str = "hf-magicdec bench") -> argparse.ArgumentParser:
-    from . import __doc__ as doc
-
-    ap = argparse.ArgumentParser(prog=prog, description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2-135m",
                     help="offline name (smollm2-135m, qwen2.5-coder-0.5b, qwen2.5-coder-1.5b), local dir or Hub id")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
@@ -70,8 +87,6 @@ def main(argv: list[str] | None = None, prog: str = "hf-magicdec bench") -> int:
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
 
-    from .runner import BenchSpec
-
     try:  # validate every size and config before loading anything
         spec = BenchSpec(
             model=args.model, dtype=args.dtype, device=args.device, batches=tuple(args.batch),
@@ -86,8 +101,6 @@ def main(argv: list[str] | None = None, prog: str = "hf-magicdec bench") -> int:
         ap.error(str(exc))
     tasks = None
     if args.ruler:
-        from ..ruler import TASKS
-
         tasks = list(TASKS) if args.ruler == ["all"] else args.ruler
         bad = [t for t in tasks if t not in TASKS]
         if bad:
@@ -97,8 +110,6 @@ def main(argv: list[str] | None = None, prog: str = "hf-magicdec bench") -> int:
     if args.threads is not None:
         if args.threads < 1:
             ap.error(f"--threads must be >= 1, got {args.threads}")
-        import torch
-
         torch.set_num_threads(args.threads)
     if tasks:
         return run_ruler_and_report(spec, tasks, args.ruler_samples, Path(args.out), progress=not args.quiet)
@@ -106,9 +117,6 @@ def main(argv: list[str] | None = None, prog: str = "hf-magicdec bench") -> int:
 
 
 def run_ruler_and_report(spec, tasks, samples, out: Path, progress: bool = True) -> int:
-    from .report import write_jsonl
-    from .ruler_mode import ruler_table, run_ruler
-
     out.mkdir(parents=True, exist_ok=True)
     rows, env = run_ruler(spec, tasks, samples, progress=progress)
     (out / "ruler.jsonl").unlink(missing_ok=True)
@@ -125,12 +133,6 @@ def run_ruler_and_report(spec, tasks, samples, out: Path, progress: bool = True)
 
 def run_and_report(spec, out: Path, progress: bool = True, title_prefix: str = "") -> int:
     """Run ``spec``, stream JSONL rows to ``out/results.jsonl``, print the tables, write the plots."""
-    import dataclasses
-
-    from .harness import environment
-    from .report import breakdown_table, plots, table, write_jsonl
-    from .runner import resolve_device, run
-
     out.mkdir(parents=True, exist_ok=True)
     jsonl = out / "results.jsonl"
     jsonl.unlink(missing_ok=True)

@@ -22,6 +22,9 @@ from pathlib import Path
 from typing import Any, Callable
 
 import torch
+import transformers
+from hf_magicdec import __version__
+from hf_magicdec.planner.calibrate import cpu_name
 from transformers.generation.streamers import BaseStreamer
 
 
@@ -189,17 +192,11 @@ def _git_revision() -> str | None:
 def device_name(device: torch.device) -> str:
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
-    from hf_magicdec.costmodel.calibrate import cpu_name
-
     return f"{cpu_name()} ({torch.get_num_threads()} threads)"
 
 
 def environment(device: torch.device) -> dict:
     """What a reader needs to reproduce or judge a number."""
-    import transformers
-
-    from hf_magicdec import __version__
-
     return {
         "device": device_name(device),
         "device_type": device.type,

@@ -69,10 +69,10 @@ def write_jsonl(path: Path, rows: list[dict]) -> None:
 
 def _pyplot():
     try:
-        import matplotlib
+        import matplotlib  # optional dependency
 
         matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+        import matplotlib.pyplot as plt  # optional dependency
     except ImportError:
         log.warning("matplotlib is not installed: no plots (pip install 'hf-magicdec[bench]')")
         return None

@@ -12,7 +12,10 @@ from __future__ import annotations
 import logging
 
 import torch
+from hf_magicdec import MagicDecConfig
+from tqdm.auto import tqdm
 
+from .. import ruler
 from .harness import environment, measure
 from .runner import load_model, resolve_device
 
@@ -21,12 +24,6 @@ log = logging.getLogger("hf_magicdec")
 
 def run_ruler(spec, tasks: list[str], num_samples: int, seed: int = 0, progress: bool = True) -> tuple[list, dict]:
     """Returns ``(rows, env)``; one row per (task, context, method)."""
-    from tqdm.auto import tqdm
-
-    from hf_magicdec import MagicDecConfig
-
-    from .. import ruler
-
     device = resolve_device(spec.device)
     model, tokenizer = load_model(spec.model, spec.dtype, device)
     env = environment(device)

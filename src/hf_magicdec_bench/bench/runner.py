@@ -15,15 +15,21 @@ import logging
 from dataclasses import dataclass, field
 from typing import Callable
 
+import hf_magicdec
 import torch
+from hf_magicdec import MagicDecConfig, get_view, shared_prefill
+from hf_magicdec.defaults import AUTO, DEFAULT_BUDGET, DEFAULT_DRAFT
+from hf_magicdec.planner import ModelSpec
+from tqdm.auto import tqdm
 
-from hf_magicdec import MagicDecConfig
-from hf_magicdec.config import AUTO, DEFAULT_BUDGET, DEFAULT_DRAFT
-from hf_magicdec.generation import shared_prefill
-
+from .. import data, models
 from .harness import Measurement, environment, measure
 
 log = logging.getLogger("hf_magicdec")
+
+#: Own AR (``gamma=0``): plain decoding on MagicDec's cache, pinned to the library's documented
+#: fallback view and budget (``hf_magicdec.defaults``: public default values).
+OWN_AR_DRAFT, OWN_AR_BUDGET = DEFAULT_DRAFT, DEFAULT_BUDGET
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -108,8 +114,6 @@ class ModelInfo:
 
     @classmethod
     def of(cls, model) -> "ModelInfo":
-        from hf_magicdec.costmodel import ModelSpec
-
         weights = sum(p.numel() * p.element_size() for p in model.parameters())  # real, not modelled
         spec = ModelSpec.from_config(model.config, dtype=model.dtype)
         return cls(weights, spec.kv_bytes_per_token)
@@ -228,24 +232,23 @@ def _bytes_read(info: ModelInfo, result: Result) -> float:
 def _predict(model, result: Result) -> None:
     """The cost model's speedup over plain decoding on the same engine (own AR) for this run,
     with the acceptance the run measured: next to the measurement, the gap shows what the model
-    misses. Uses the cached calibration of this model on this device when there is one."""
-    from hf_magicdec import auto
-    from hf_magicdec.costmodel import ModelSpec, estimate
-    from hf_magicdec.views import get_view
-
+    misses. Uses the device model ``generate`` plans with (:func:`hf_magicdec.plan`: the config's
+    ``hardware``, else the cached calibration of this model on this device, else a preset), over a
+    search space of the run's one (view, budget, γ)."""
     s = result.m.speculation
     if s is None or not s.steps or s.draft == "full":
         return
-    hardware, where = auto.hardware_for(model, result.config)
-    spec = ModelSpec.from_config(model.config, dtype=model.dtype)
     gamma = max(1, round(s.mean_gamma))
     # The view with the run's options: a query-aware view's selection cost depends on them.
     view = result.config.view_for(s.draft) if result.config is not None else get_view(s.draft)
-    e = estimate(spec, hardware, batch=result.batch, context=int(result.context + result.new_tokens / 2),
-                 draft=view, budget=s.draft_budget, gamma=gamma, acceptance=min(s.acceptance_rate, 0.999))
-    result.predicted_speedup = e.speedup
-    result.extra["prediction"] = {"hardware": where, "gamma": gamma, "acceptance": s.acceptance_rate,
-                                  "T_T_s": e.t_target, "T_D_s": e.t_draft, "T_V_s": e.t_verify}
+    p = hf_magicdec.plan(model, batch_size=result.batch, prompt_len=result.context, new_tokens=result.new_tokens,
+                         hardware=result.config.hardware if result.config is not None else None, drafts=[view],
+                         budgets=(s.draft_budget,), gammas=(gamma,), acceptance=min(s.acceptance_rate, 0.999))
+    if p.draft is None:
+        raise ValueError(p.reason)
+    result.predicted_speedup = p.predicted_speedup
+    result.extra["prediction"] = {"hardware": p.hardware, "gamma": gamma, "acceptance": s.acceptance_rate,
+                                  "T_T_s": p.t_target, "T_D_s": p.t_draft, "T_V_s": p.t_verify}
 
 
 def resolve_device(name: str) -> torch.device:
@@ -257,8 +260,6 @@ def resolve_device(name: str) -> torch.device:
 
 def load_model(name: str, dtype: str, device: torch.device):
     """``(model, tokenizer)`` of ``name`` (offline name, directory or Hub id) on ``device``, in eval mode."""
-    from .. import models
-
     model, tokenizer = models.load(name, dtype=DTYPES[dtype], device_map=None if device.type == "cpu" else str(device))
     return model.eval(), tokenizer
 
@@ -271,12 +272,6 @@ def run(spec: BenchSpec, progress: bool = True, on_result: Callable[[Result], No
     so an interrupted run keeps what it measured). ``env``: the environment already collected by
     the caller (default: collected here).
     """
-    from .. import data
-
-    try:
-        from tqdm.auto import tqdm
-    except ImportError:  # pragma: no cover - tqdm is a dependency
-        tqdm = None
     device = resolve_device(spec.device)
     log.warning("loading %s (%s) on %s …", spec.model, spec.dtype, device)
     model, tokenizer = load_model(spec.model, spec.dtype, device)
@@ -304,19 +299,18 @@ def run(spec: BenchSpec, progress: bool = True, on_result: Callable[[Result], No
     small_configs = {c: spec.draft_model_configs(c) for c in spec.contexts}
     per_point = 1 + int(spec.own_ar) + int(spec.static_baseline) + (2 if assistant else 0)
     n_runs = sum(per_point + len(configs[c]) + len(small_configs[c]) for _, c in points)
-    outer = tqdm(total=n_runs, desc="bench", unit="run", disable=not progress) if tqdm else None
+    outer = tqdm(total=n_runs, desc="bench", unit="run", disable=not progress)
     results: list[Result] = []
     warmed: set[tuple] = set()
     held: list[Result] | None = None  # rows waiting for own AR (shared prefill: it runs last)
 
     def token_bar(label, total):
-        if not (progress and tqdm):
+        if not progress:
             return None
         return lambda: tqdm(total=total, desc=f"  {label}", unit="tok", leave=False)
 
     def one(method, label, ids, run_fn, config=None, baseline=None, estimate=True):
-        if outer is not None:
-            outer.set_postfix_str(f"B={ids.shape[0]} S={ids.shape[1]} {label}")
+        outer.set_postfix_str(f"B={ids.shape[0]} S={ids.shape[1]} {label}")
         key = (method, label, ids.shape[0])
         if spec.warmup and key not in warmed:  # discarded: first-call allocations and thread pools
             warm = ids[:, -min(64, ids.shape[1]):].clone()
@@ -363,8 +357,7 @@ def run(spec: BenchSpec, progress: bool = True, on_result: Callable[[Result], No
                 on_result(r)
             if held:
                 held.clear()
-        if outer is not None:
-            outer.update(1)
+        outer.update(1)
         return res
 
     with torch.inference_mode():
@@ -375,7 +368,7 @@ def run(spec: BenchSpec, progress: bool = True, on_result: Callable[[Result], No
             if spec.static_baseline:
                 one("stock-static", "stock generate, static cache", ids,
                     lambda clock, x, n: generate(x, n, clock, cache_implementation="static"), None, base)
-            own_ar = MagicDecConfig(draft=DEFAULT_DRAFT, draft_budget=DEFAULT_BUDGET, gamma=0)
+            own_ar = MagicDecConfig(draft=OWN_AR_DRAFT, draft_budget=OWN_AR_BUDGET, gamma=0)
 
             def run_own_ar():
                 one("own-ar", "own AR (gamma=0)", ids,
@@ -406,6 +399,5 @@ def run(spec: BenchSpec, progress: bool = True, on_result: Callable[[Result], No
                 s1 = one("stock-b1", "stock generate (batch 1)", ids1, lambda clock, x, n: generate(x, n, clock))
                 one("assisted", f"HF assisted ({spec.assistant})", ids1,
                     lambda clock, x, n: generate(x, n, clock, assistant_model=assistant), None, s1.m.sequences)
-    if outer is not None:
-        outer.close()
+    outer.close()
     return results, env, info

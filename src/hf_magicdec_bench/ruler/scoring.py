@@ -123,7 +123,7 @@ def load_metric(mode: str = "all", **kwargs: Any) -> Any:
     if mode not in ("all", "part"):
         raise ValueError(f"unknown {mode=!r}; expected 'all' or 'part'")
     try:
-        import evaluate
+        import evaluate  # optional dependency
     except ImportError as exc:
         raise ModuleNotFoundError("load_metric needs 'evaluate': pip install 'evaluate>=0.4,<1'") from exc
     return evaluate.load(str(metric_path()), config_name=mode, **kwargs)

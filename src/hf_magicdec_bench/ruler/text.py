@@ -13,7 +13,7 @@ import re
 import uuid
 from typing import Callable, Sequence
 
-from ..data import _installed, package_data_file
+from ..data import SOURCES, _installed, long_texts, package_data_file, paul_graham_essays
 
 logger = logging.getLogger("hf_magicdec")
 
@@ -148,8 +148,6 @@ def _pseudo_words(count: int, exclude: set[str]) -> list[str]:
 @functools.lru_cache(maxsize=4)
 def _haystack_words(source: str) -> tuple[str, ...]:
     """Words of an essay/long-text haystack, whitespace-normalised as RULER does."""
-    from ..data import long_texts, paul_graham_essays
-
     docs = paul_graham_essays() if source == "essay" else long_texts(source)
     text = " ".join(t for _, t in docs)
     return tuple(re.sub(r"\s+", " ", text).strip().split(" "))
@@ -157,8 +155,6 @@ def _haystack_words(source: str) -> tuple[str, ...]:
 
 def _resolve_haystack(haystack: str) -> str:
     """Map ``"auto"``/aliases to ``"essay"``, ``"noise"`` or a long_texts source."""
-    from ..data import SOURCES
-
     if haystack in ("essay", "paulgraham"):
         return "essay"
     if haystack == "noise":
