@@ -24,7 +24,7 @@ from .engine.hooks import (AcceptanceRecorder, AdaptiveGamma, FixedGamma, Observ
                            StreamerHook)
 from .engine.loop import Engine, left_padding
 from .engine.outputs import MagicDecOutput, SpeculationStats
-from .engine.steps import ModelCall
+from .engine.steps import ModelCall, compile_config_for
 from .engine.validation import check_generation_config, check_model, check_model_kwargs
 from .parallel.lockstep import Lockstep, resolve_synced_gpus
 from .planner.gamma import GammaController
@@ -54,6 +54,7 @@ def generate(
     hardware: str | None = None,
     refresh_every: int | None = None,
     refresh_below: float | None = None,
+    compile: Any = None,
     magicdec_config: MagicDecConfig | None = None,
     magicdec_streamer=None,
     magicdec_synced_gpus: bool | None = None,
@@ -76,7 +77,7 @@ def generate(
     logits_processor, stopping_criteria, generation_config : as prepared by ``generate``.
     tokenizer : enables ``stop_strings`` (``generate`` builds the criterion from it).
     speculative, draft, draft_budget, gamma, adaptive_gamma, max_gamma, hardware, refresh_every, refresh_below,
-        magicdec_config : MagicDec settings (see :class:`~hf_magicdec.MagicDecConfig`); explicit values win.
+        compile, magicdec_config : MagicDec settings (see :class:`~hf_magicdec.MagicDecConfig`); explicit values win.
         ``draft`` may be a view instance (``SnapKV(window=16)``).
     magicdec_streamer, magicdec_synced_gpus, magicdec_stop_strings, magicdec_tokenizer :
         streamer, ``synced_gpus``, ``stop_strings`` and tokenizer forwarded by the ``speculative=``
@@ -108,6 +109,7 @@ def generate(
         hardware=hardware,
         refresh_every=refresh_every,
         refresh_below=refresh_below,
+        compile=compile,
         **{name: model_kwargs.pop(name) for name in view_option_names() if name in model_kwargs},
     )
     streamer = magicdec_streamer if magicdec_streamer is not None else streamer
@@ -176,8 +178,9 @@ def _speculate(model, draft_model, resolution, input_ids, gen, logits_processor,
     max_new = max(gen.max_length - prompt, 0)
     gamma, scratch = _gamma_policy(config, view, prompt, max_new, lockstep, resolution)
     chunk = gen.prefill_chunk_size or config.prefill_chunk_size
-    call = ModelCall.of(model)
-    drafter = (ModelDrafter(draft_model, view, config, chunk, gen.max_length) if draft_model is not None
+    compile_config = compile_config_for(config.compile, gen, input_ids.device)
+    call = ModelCall.of(model, compile_config)
+    drafter = (ModelDrafter(draft_model, view, config, chunk, gen.max_length, compile_config) if draft_model is not None
                else SelfDrafter(call, view, config))
     stats = SpeculationStats(
         accepted_lengths=[[] for _ in range(batch)], row_gammas=[[] for _ in range(batch)], gamma=config.gamma,

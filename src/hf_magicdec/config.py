@@ -14,6 +14,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Iterator
 
+from transformers import CompileConfig
+
 from .defaults import (  # noqa: F401  (re-exported: part of this module's public names)
     AUTO,
     DEFAULT_BUDGET,
@@ -121,6 +123,13 @@ class MagicDecConfig:
     refresh_below : float or None
         Static views: re-select every row's static part when the acceptance pooled over rows over
         the last 8 verification steps falls below this, in (0, 1]. Default None: never.
+    compile : "auto", bool or transformers.CompileConfig
+        Run the draft and verify forwards through ``torch.compile`` (prefill stays eager):
+        ``"auto"`` (default) compiles on CUDA and not elsewhere (on CPUs compiling does not pay),
+        ``True`` / ``False`` force it, a ``CompileConfig`` chooses backend, mode and ``fullgraph``.
+        ``True`` and ``"auto"`` use ``generation_config.compile_config`` when set, else
+        ``CompileConfig()`` (inductor, ``mode="reduce-overhead"``: CUDA graphs on CUDA);
+        ``generation_config.disable_compile=True`` turns ``"auto"`` off, as in stock ``generate``.
     view_options : Mapping[str, Any]
         The draft views' options (see above; keywords are merged into it). Stored immutably.
 
@@ -149,6 +158,7 @@ class MagicDecConfig:
     prefill_chunk_size: int = DEFAULT_PREFILL_CHUNK
     refresh_every: int | None = None
     refresh_below: float | None = None
+    compile: Any = AUTO
     view_options: Mapping[str, Any] = field(default_factory=ViewOptions)
 
     def __post_init__(self) -> None:
@@ -197,6 +207,10 @@ class MagicDecConfig:
         below = self.refresh_below
         if below is not None and (isinstance(below, bool) or not isinstance(below, (int, float)) or not 0 < below <= 1):
             raise ValueError(f"refresh_below must be a number in (0, 1] or None, got {self.refresh_below=!r}.")
+        if isinstance(self.compile, Mapping):  # from to_dict() / a saved generation config
+            object.__setattr__(self, "compile", CompileConfig(**self.compile))
+        if not (isinstance(self.compile, CompileConfig) or self.compile in (AUTO, True, False)):
+            raise ValueError(f"compile must be 'auto', True, False or a transformers.CompileConfig, got {self.compile!r}.")
         # The views validate their options (an "auto" draft: every view that has some of them).
         if draft == AUTO:
             for name in names:
@@ -264,6 +278,8 @@ class MagicDecConfig:
         """JSON-serialisable form (view options flattened), suitable for ``GenerationConfig(speculative=...)``."""
         out: dict[str, Any] = {"method": "magicdec"}
         out.update({name: getattr(self, name) for name in _FIELDS if name != "view_options"})
+        if isinstance(self.compile, CompileConfig):
+            out["compile"] = self.compile.to_dict()
         out.update(self.view_options)
         return out
 

@@ -26,7 +26,7 @@ _original_generate = None
 # MagicDecConfig fields taken from generate's keywords (prefill_chunk_size is the generation
 # config's); every registered draft view's options are taken too (_option_names).
 _OPTION_NAMES = ("draft", "draft_budget", "gamma", "adaptive_gamma", "max_gamma", "hardware", "refresh_every",
-                 "refresh_below")
+                 "refresh_below", "compile")
 _OFF = (None, False, "", "none", "off")
 
 

@@ -43,7 +43,12 @@ class MagicDecLayer(CacheLayerMixin):
     lives on its layer's device with its local head count (device maps, tensor parallelism)."""
 
     is_sliding = False
-    is_compileable = False
+
+    @property
+    def is_compileable(self) -> bool:
+        """Whether the draft and verify forwards are captured (``MagicDecConfig.compile``): then
+        every step sees fixed shapes (``MagicDecCache.fixed_shapes``)."""
+        return self.owner.fixed_shapes
 
     def __init__(self, owner: "MagicDecCache", layer_idx: int):
         super().__init__()
@@ -133,6 +138,10 @@ class MagicDecCache(Cache):
         # Largest position this generation reaches (prompt slots + new tokens), checked by the
         # attention against sliding windows; None = unchecked (synthetic caches of calibration).
         self.position_limit: int | None = None
+        # Compiled steps: draft and verify forwards read whole buffers (draft views with all their
+        # scratch, the full cache up to its capacity), masked by their key ranges, so a captured
+        # graph sees the same shapes at every step (it changes only when the cache grows).
+        self.fixed_shapes = False
         # Per-row tensors of query-aware views and refresh, keyed (name, layer or -1); they follow select_rows.
         self.row_state: dict[tuple[str, int], torch.Tensor] = {}
         self.refresher: Refresher | None = None  # refresh_every / refresh_below (hf_magicdec.engine.refresh)
@@ -227,6 +236,9 @@ class MagicDecCache(Cache):
             raise RuntimeError("build_draft_views() must run before drafting.")
         self._begin(_DRAFT)
         self._draft_step, self._q = step, num_tokens
+        scratch_start = self.static_slots + self.window_slots + step
+        # A tensor, not an int, so that a compiled draft step is one graph for every step.
+        self._draft_slots = torch.arange(scratch_start, scratch_start + num_tokens, device=self.lengths.device)
         scratch = self.static_slots + self.window_slots
         self._segments = Segments.prefix_and_block(self._draft_filled(), scratch, scratch + step + num_tokens, skip)
 
@@ -238,7 +250,12 @@ class MagicDecCache(Cache):
         self._segments = Segments.causal(self.pad, self.lengths + num_tokens)
 
     def verify_kv_length(self, num_tokens: int) -> int:
-        return self._max_len + num_tokens
+        """Key slots a ``num_tokens``-token verify attends over (masked beyond each row's end)."""
+        return self.capacity if self.fixed_shapes else self._max_len + num_tokens
+
+    def draft_kv_length(self, end: int) -> int:
+        """Key slots a draft forward writing draft slots up to ``end`` attends over."""
+        return self.static_slots + self.window_slots + self.gamma + 1 if self.fixed_shapes else end
 
     # ------------------------------------------------------------------ the write path
     def _layer_update(self, layer: MagicDecLayer, key_states: torch.Tensor, value_states: torch.Tensor):
@@ -250,9 +267,14 @@ class MagicDecCache(Cache):
             layer.keys.scatter_(2, index, key_states)
             index_v = slots[:, None, :, None].expand(-1, value_states.shape[1], -1, value_states.shape[-1])
             layer.values.scatter_(2, index_v, value_states)
-            end = self._max_len + self._q
+            end = self.verify_kv_length(self._q)
             return layer.keys[:, :, :end], layer.values[:, :, :end]
         if mode == _DRAFT:
+            if self.fixed_shapes:
+                slots = self._on("draft_slots", self._draft_slots, layer.draft_keys.device)
+                layer.draft_keys.index_copy_(2, slots, key_states)
+                layer.draft_values.index_copy_(2, slots, value_states)
+                return layer.draft_keys, layer.draft_values
             slot = self.static_slots + self.window_slots + self._draft_step
             end = slot + self._q
             layer.draft_keys[:, :, slot:end] = key_states

@@ -144,14 +144,15 @@ class ModelDrafter:
     config : the resolved :class:`~hf_magicdec.MagicDecConfig`.
     chunk : prompt tokens per prefill forward.
     position_limit : largest position the generation reaches.
+    compile_config : compile its draft forwards (``transformers.CompileConfig``), or None.
     """
 
     on_target = False
     refreshes = 0  # its views are never re-selected
 
-    def __init__(self, model, view, config, chunk: int, position_limit: int | None):
+    def __init__(self, model, view, config, chunk: int, position_limit: int | None, compile_config=None):
         self.model, self.view, self.config = model, view, config
-        self.call = ModelCall.of(model)
+        self.call = ModelCall.of(model, compile_config)
         self.chunk, self.position_limit = chunk, position_limit
         self.cache: MagicDecCache | None = None
         self.refeed: torch.Tensor | None = None  # [b] bool: the token at C - 1 is not in the view yet
@@ -167,6 +168,7 @@ class ModelDrafter:
         self.cache = new_cache(self.model, input_ids, target.pad.clone(), prompt,
                                self.view.observation_window(), self.position_limit)
         prefill(self.call, self.cache, input_ids, position_ids, self.chunk)
+        self.cache.fixed_shapes = self.call.compiled is not None
         # One scratch slot more than γ: the first step of a round re-feeds the token at C - 1.
         self.cache.build_draft_views(self.view, self.config, prompt, max_new_tokens, scratch=scratch + 1)
         if not self.view.query_aware:  # a query-aware view (dynamic) refills from the full cache
@@ -191,7 +193,7 @@ class ModelDrafter:
                 positions = (base + i)[:, None]
                 cache.begin_draft(i + 1, 1, skip)
                 kv_len = view_end + i + 2
-            mask = cache.forward_mask(tok.shape[1], kv_len)
+            mask = cache.forward_mask(tok.shape[1], cache.draft_kv_length(kv_len))
             return call(cache, tok, positions, mask, logits_to_keep=1)[:, -1].float()
 
         return step

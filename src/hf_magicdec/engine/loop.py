@@ -140,6 +140,7 @@ class Engine:
             logits = prefill(self.call, self.cache, input_ids, position_ids, self.chunk)
             store_prefill(input_ids, position_ids, pad, self.chunk, observe, self.cache, logits)
         self.cache.max_capacity = max(self.cache.capacity, max_capacity)
+        self.cache.fixed_shapes = self.call.compiled is not None  # compiled steps: same shapes every step
         return logits
 
     def _choose(self, b: _Rows, logits: torch.Tensor):

@@ -11,14 +11,16 @@ compiled as it is. The token choice that follows (processors, sampling, acceptan
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import torch
+from transformers import CompileConfig
 
+from ..defaults import AUTO
 from . import attention
 from .cache import MagicDecCache
 
-__all__ = ["ModelCall", "draft_step", "num_layers", "prefill", "verify_step"]
+__all__ = ["ModelCall", "compile_config_for", "draft_step", "num_layers", "prefill", "verify_step"]
 
 
 def num_layers(model) -> int:
@@ -26,42 +28,63 @@ def num_layers(model) -> int:
     return model.config.get_text_config(decoder=True).num_hidden_layers
 
 
+def compile_config_for(setting: Any, generation_config, device: torch.device) -> CompileConfig | None:
+    """The ``CompileConfig`` the draft and verify forwards run under, or None (eager).
+
+    ``setting`` is ``MagicDecConfig.compile``: ``"auto"`` compiles on CUDA only and yields to
+    ``generation_config.disable_compile`` as stock ``generate`` does; ``True`` always compiles;
+    both use ``generation_config.compile_config`` when set. A ``CompileConfig`` is used as given.
+    """
+    if setting is False or (setting == AUTO and (device.type != "cuda" or generation_config.disable_compile)):
+        return None
+    if isinstance(setting, CompileConfig):
+        return setting
+    return getattr(generation_config, "compile_config", None) or CompileConfig()
+
+
 @dataclass(frozen=True)
 class ModelCall:
-    """How the engine calls one model on a :class:`MagicDecCache` (fixed per model).
+    """How the engine calls one model on a :class:`MagicDecCache` (fixed per model and generation).
 
     Attributes
     ----------
     model : the ``PreTrainedModel``.
     keep_logits : whether its forward takes ``logits_to_keep``.
     mask_per_layer_type : hybrid models (sliding + full layers) index their mask by layer type.
+    compiled : the model's ``torch.compile``'d call (``model.get_compiled_call``, cached on the
+        model by transformers) for draft and verify forwards, or None (eager).
     """
 
     model: Any
     keep_logits: bool
     mask_per_layer_type: bool
+    compiled: Callable | None = None
 
     @classmethod
-    def of(cls, model) -> "ModelCall":
+    def of(cls, model, compile_config: CompileConfig | None = None) -> "ModelCall":
         layer_types = getattr(model.config.get_text_config(decoder=True), "layer_types", None) or []
-        return cls(model, bool(model._supports_logits_to_keep()), "sliding_attention" in layer_types)
+        compiled = model.get_compiled_call(compile_config) if compile_config is not None else None
+        return cls(model, bool(model._supports_logits_to_keep()), "sliding_attention" in layer_types, compiled)
 
     def __call__(self, cache: MagicDecCache, ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor,
-                 logits_to_keep: int | None) -> torch.Tensor:
+                 logits_to_keep: int | None, eager: bool = False) -> torch.Tensor:
         """One forward of ``ids [b, q]`` at ``positions [b, q]``; logits ``[b, q or 1, V]``.
 
         The ``magicdec`` attention reads the cache's per-row key ranges (draft / verify) or
         records SnapKV's observation queries (prefill); ``mask [b, 1, q, kv]`` serves any layer
-        that does not use them.
+        that does not use them. ``eager``: never the compiled call (prefill, whose shapes change
+        with every chunk).
         """
         kwargs: dict[str, Any] = {"magicdec_cache": cache}
         if self.keep_logits and logits_to_keep is not None:
             kwargs["logits_to_keep"] = logits_to_keep
         if self.mask_per_layer_type:
             mask = {"full_attention": mask, "sliding_attention": mask}
+        forward = self.model if eager or self.compiled is None else self.compiled
+        # The context variable is set outside the compiled region (dynamo does not trace it).
         with attention.engine_forward(cache):
-            out = self.model(input_ids=ids, position_ids=positions, attention_mask=mask, past_key_values=cache,
-                             use_cache=True, return_dict=True, **kwargs)
+            out = forward(input_ids=ids, position_ids=positions, attention_mask=mask, past_key_values=cache,
+                          use_cache=True, return_dict=True, **kwargs)
         logits = out.logits
         return logits[:, -1:] if logits_to_keep == 1 and logits.shape[1] != 1 else logits
 
@@ -80,7 +103,8 @@ def prefill(call: ModelCall, cache: MagicDecCache, input_ids: torch.Tensor, posi
         q_slot = slot[start:end]
         mask = (slot[None, None, :end] >= pad[:, None, None]) & (slot[None, None, :end] <= q_slot[None, :, None])
         mask |= slot[None, None, :end] == q_slot[None, :, None]  # padding queries see themselves: no NaN
-        logits = call(cache, input_ids[:, start:end], position_ids[:, start:end], mask[:, None], logits_to_keep=1)
+        logits = call(cache, input_ids[:, start:end], position_ids[:, start:end], mask[:, None], logits_to_keep=1,
+                      eager=True)
     cache.end_prefill(prompt)
     return logits
 
@@ -89,7 +113,7 @@ def draft_step(call: ModelCall, cache: MagicDecCache, tok: torch.Tensor, step: i
     """Draft step ``step`` of the model on its own draft views: ``tok [b, 1]`` (the pending token
     or the previous draft) at each row's next position; float logits ``[b, V]``."""
     cache.begin_draft(step)
-    mask = cache.forward_mask(1, cache.static_slots + cache.window_slots + step + 1)
+    mask = cache.forward_mask(1, cache.draft_kv_length(cache.static_slots + cache.window_slots + step + 1))
     positions = (cache.lengths - cache.pad + step)[:, None]
     return call(cache, tok, positions, mask, logits_to_keep=1)[:, -1].float()
 

@@ -1,0 +1,87 @@
+"""Compiled draft and verify steps (``compile=``): captured whole (``fullgraph=True``: no graph
+break), identical output, and a bounded number of graphs over a generation whose rows finish at
+different times. On CPU with the ``aot_eager`` backend (compiles fast; inductor is for GPUs)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch._dynamo
+from transformers import CompileConfig
+
+from hf_magicdec import MagicDecConfig
+from hf_magicdec.engine.steps import ModelCall, compile_config_for
+
+from conftest import EOS, make_model, ragged_prompts
+
+CAPTURE = CompileConfig(backend="aot_eager", fullgraph=True)  # fullgraph: any graph break raises
+
+
+@pytest.fixture
+def fresh_dynamo():
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    yield torch._dynamo.utils.counters
+    torch._dynamo.reset()
+
+
+def _graphs(counters) -> int:
+    return counters["stats"]["unique_graphs"]
+
+
+@pytest.mark.parametrize("draft", [dict(draft="streamingllm", sink_tokens=2), dict(draft="snapkv", window=4)])
+def test_compiled_steps_identical_with_bounded_graphs(fresh_dynamo, draft):
+    model = make_model("llama-gqa3")
+    ids, mask = ragged_prompts(batch=3, length=24, seed=1)
+    kwargs = dict(input_ids=ids, attention_mask=mask, max_new_tokens=40, do_sample=False, eos_token_id=EOS)
+    reference = model.generate(**kwargs)
+    out = model.generate(**kwargs, speculative="magicdec", draft_budget=12, gamma=3, compile=CAPTURE,
+                         return_dict_in_generate=True, **draft)
+    assert torch.equal(reference, out.sequences)
+    lengths = (out.sequences != 0).sum(1)
+    assert len(set(lengths.tolist())) > 1, "rows must finish at different times for this test to mean something"
+    # One graph per step kind (draft, verify) and batch regime (first batch, dynamic batch, one row):
+    # not one per draft position, per context length or per step.
+    assert 2 <= _graphs(fresh_dynamo) <= 6, dict(fresh_dynamo["stats"])
+    # A second generation reuses the captured graphs (cached on the model by transformers).
+    before = _graphs(fresh_dynamo)
+    again = model.generate(**kwargs, speculative="magicdec", draft_budget=12, gamma=3, compile=CAPTURE, **draft)
+    assert torch.equal(reference, again) and _graphs(fresh_dynamo) == before
+
+
+def test_compiled_sampling_equals_eager_sampling(fresh_dynamo):
+    model = make_model("llama-gqa3")
+    ids, mask = ragged_prompts(batch=2, length=20, seed=3)
+    kwargs = dict(input_ids=ids, attention_mask=mask, max_new_tokens=16, do_sample=True, top_k=20,
+                  eos_token_id=None, speculative="magicdec", draft="streamingllm", draft_budget=10, sink_tokens=2,
+                  gamma=2)
+    torch.manual_seed(7)
+    eager = model.generate(**kwargs, compile=False)
+    torch.manual_seed(7)
+    compiled = model.generate(**kwargs, compile=CAPTURE)
+    assert torch.equal(eager, compiled)
+
+
+def test_compiled_draft_model(fresh_dynamo):
+    target, draft = make_model("llama-gqa3"), make_model("llama-gqa3", seed=5)
+    ids, mask = ragged_prompts(batch=2, length=20, seed=4)
+    kwargs = dict(input_ids=ids, attention_mask=mask, max_new_tokens=20, do_sample=False, eos_token_id=None)
+    out = target.generate(**kwargs, speculative="magicdec", draft="full", draft_budget=64, gamma=3,
+                          draft_model=draft, compile=CAPTURE)
+    assert torch.equal(target.generate(**kwargs), out)
+
+
+def test_compile_setting_resolution():
+    gen = make_model("llama-gqa3").generation_config
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert compile_config_for("auto", gen, cpu) is None  # on CPUs compiling does not pay
+    assert compile_config_for("auto", gen, cuda) is not None
+    assert compile_config_for(False, gen, cuda) is None
+    assert compile_config_for(True, gen, cpu) is not None
+    assert compile_config_for(CAPTURE, gen, cpu) is CAPTURE
+    gen.disable_compile = True  # as stock generate: turns the automatic compile off
+    assert compile_config_for("auto", gen, cuda) is None
+    assert ModelCall.of(make_model("llama-gqa3")).compiled is None
+    with pytest.raises(ValueError, match="compile must be"):
+        MagicDecConfig(compile="always")
+    assert MagicDecConfig.from_any(MagicDecConfig(compile=CAPTURE).to_dict()).compile.fullgraph
