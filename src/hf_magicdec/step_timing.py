@@ -12,6 +12,7 @@ calibrations. This module sits beside the engine and drives it:
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 import platform
@@ -108,6 +109,7 @@ def measure_steps(
     repeats: int = 5,
     input_ids: Any = None,
     statistic: str = "median",
+    compile_config: Any = None,
 ) -> StepTimes:
     """Time T_T, T_V(γ) and T_D(budget) with the engine's own forwards on one prefilled cache.
 
@@ -139,6 +141,12 @@ def measure_steps(
         ``"median"`` or ``"min"`` over the repeats. ``"min"`` resists other processes sharing
         the machine (interference only ever adds time).
 
+    compile_config : transformers.CompileConfig or None
+        Time the draft and verify forwards compiled under it, as ``compile=`` runs them in
+        ``generate`` (fixed-shape buffers; on CUDA the buffers' addresses are marked static, so
+        ``mode="reduce-overhead"`` captures CUDA graphs). None: eager. The first (warm-up) round
+        includes the compilation.
+
     Returns
     -------
     StepTimes
@@ -169,7 +177,7 @@ def measure_steps(
     tokens = torch.randint(0, model.config.vocab_size, (batch, q_max), generator=rng).to(device)
     zeros = torch.zeros(batch, dtype=torch.long, device=device)
     with torch.no_grad(), attention.switched(model):
-        call = ModelCall.of(model)
+        call = ModelCall.of(model, compile_config)
         t0 = time.perf_counter()
         if input_ids is not None:
             positions = torch.arange(context, device=device)[None].expand(batch, -1)
@@ -178,7 +186,10 @@ def measure_steps(
             prefill(call, cache, input_ids.to(device), positions, chunk=1024)
         else:
             cache = _synthetic_cache(model, batch, context, capacity, view.observation_window())
+        cache.fixed_shapes = call.compiled is not None
         cache.build_draft_views(view, first, context, 64)
+        if call.compiled is not None and device.type == "cuda":
+            cache.mark_static_addresses()  # CUDA graphs may then write the cache in place
         sync()
         prefill_seconds = time.perf_counter() - t0
 
@@ -200,12 +211,17 @@ def measure_steps(
                 if built[0] is not configs[k]:  # about the cost of one forward; untimed
                     cache.build_draft_views(view, configs[k], context, 64)
                     built[0] = configs[k]
+                    if call.compiled is not None and device.type == "cuda":
+                        cache.mark_static_addresses()
             return before
 
         jobs = {("target", 1): (None, lambda: verify(1), rollback)}
         jobs.update({("verify", g): (None, lambda g=g: verify(g + 1), rollback) for g in gammas})
         jobs.update({("draft", k): (use_view(k), draft, None) for k in budgets})
-        times = _time_rounds(jobs, repeats, sync, statistic)
+        # Compiled: one graph per budget and verify width, more than dynamo's default limit of 8.
+        limit = torch._dynamo.config.patch(recompile_limit=64) if call.compiled is not None else contextlib.nullcontext()
+        with limit:
+            times = _time_rounds(jobs, repeats, sync, statistic)
     return StepTimes(batch, context, draft, times[("target", 1)], {g: times[("verify", g)] for g in gammas},
                      {k: times[("draft", k)] for k in budgets}, prefill_seconds)
 

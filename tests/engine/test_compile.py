@@ -85,3 +85,13 @@ def test_compile_setting_resolution():
     with pytest.raises(ValueError, match="compile must be"):
         MagicDecConfig(compile="always")
     assert MagicDecConfig.from_any(MagicDecConfig(compile=CAPTURE).to_dict()).compile.fullgraph
+
+
+def test_step_timing_with_captured_steps(fresh_dynamo):
+    """The GPU check times the steps as compile= runs them; on CPU the path must work (and capture)."""
+    from hf_magicdec.step_timing import measure_steps
+
+    model = make_model("llama-gqa3")
+    steps = measure_steps(model, 2, 96, gammas=(1, 3), budgets=(32, 64), repeats=1, compile_config=CAPTURE)
+    assert steps.t_target > 0 and all(t > 0 for t in (*steps.t_verify.values(), *steps.t_draft.values()))
+    assert _graphs(fresh_dynamo) >= 2  # the forwards really went through torch.compile

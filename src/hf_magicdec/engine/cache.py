@@ -257,6 +257,17 @@ class MagicDecCache(Cache):
         """Key slots a draft forward writing draft slots up to ``end`` attends over."""
         return self.static_slots + self.window_slots + self.gamma + 1 if self.fixed_shapes else end
 
+    def mark_static_addresses(self) -> None:
+        """Tell ``torch.compile`` that the full and draft KV buffers keep their addresses, so CUDA
+        graphs (``mode="reduce-overhead"``) may capture steps that write them in place. Valid until
+        the buffers are replaced (``reserve`` growth, ``select_rows``): step timing uses it on a
+        cache that never grows; generation does not yet (see docs/configuration.md)."""
+        for layer in self.layers:
+            for buffer in (layer.keys, layer.values, getattr(layer, "draft_keys", None),
+                           getattr(layer, "draft_values", None)):
+                if buffer is not None and buffer.numel():
+                    torch._dynamo.mark_static_address(buffer)
+
     # ------------------------------------------------------------------ the write path
     def _layer_update(self, layer: MagicDecLayer, key_states: torch.Tensor, value_states: torch.Tensor):
         mode = self._mode
