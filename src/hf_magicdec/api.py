@@ -127,7 +127,7 @@ def generate(
     lockstep = Lockstep.for_model(model, synced, input_ids.device, generation_config._pad_token_tensor)
     # Every rank of a TP group (every rank under synced_gpus) runs the first rank's plan.
     resolution = lockstep.agree(resolve(config, model, batch, prompt, max(generation_config.max_length - prompt, 0),
-                                        draft_model=magicdec_draft_model))
+                                        draft_model=magicdec_draft_model, generation_config=generation_config))
     if resolution.config is None:
         return _stock(model, input_ids, logits_processor, stopping_criteria, generation_config, synced, streamer,
                       resolution, model_kwargs)

@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from .config import AUTO, DEFAULT_BUDGET, DEFAULT_DRAFT, DEFAULT_GAMMA, MagicDecConfig
+from .engine.steps import compile_config_for
 from .parallel.lockstep import with_tp_degree
 from .planner import default_acceptance, draft_step, get_hardware, target_step, verify_step
 from .planner import plan as search_plan
@@ -171,7 +172,7 @@ def _first_valid(config: MagicDecConfig, changes: dict) -> MagicDecConfig | None
 
 
 def resolve(config: MagicDecConfig, model, batch: int, prompt_len: int, new_tokens: int,
-            draft_model=None) -> Resolution:
+            draft_model=None, generation_config=None) -> Resolution:
     """Fill the ``"auto"`` fields of ``config`` for this workload (see module docstring).
 
     With a separate ``draft_model``, its candidates (each view on *its* cache) are planned; when
@@ -183,6 +184,10 @@ def resolve(config: MagicDecConfig, model, batch: int, prompt_len: int, new_toke
     spec = ModelSpec.from_config(model.config, dtype=model.dtype)
     hardware, where = hardware_for(model, config, spec)
     hardware = with_tp_degree(hardware, model)  # a tensor-parallel model plans as a TP group
+    # Eager steps pay host time per layer on a GPU; captured ones (compile=) do not.
+    gen = generation_config if generation_config is not None else model.generation_config
+    hardware = hardware.replace(captured=compile_config_for(config.compile, gen, next(model.parameters()).device)
+                                is not None)
 
     def prior_or_observed(draft, budget, context):
         key = draft_key(draft.split(":", 1)[1], draft_model) if draft.startswith("model:") else draft

@@ -573,3 +573,37 @@ def test_measure_steps_on_a_sliding_window_model():
     model = make_model("mistral-mha", sliding_window=64)
     steps = step_timing.measure_steps(model, 2, 96, gammas=(1,), budgets=(32,), repeats=1)
     assert steps.t_target > 0 and steps.t_draft[32] > 0
+
+
+def test_eager_host_time_per_layer_unless_captured():
+    """On a GPU an eager forward pays ~0.3 ms of host time per layer (operator launches); captured
+    steps (compile=) do not. The planner must not promise an eager speedup the host cannot deliver."""
+    spec = ModelSpec.from_config(LLAMA, dtype="bfloat16")
+    captured = get_hardware("h200")
+    eager = captured.replace(captured=False)
+    extra = target_step(spec, eager, 32, 32768).seconds - target_step(spec, captured, 32, 32768).seconds
+    assert extra == pytest.approx(spec.layers * captured.layer_overhead)
+    # The draft step is cheap in bytes, so host time weighs most on it: T_D/T_T rises when eager.
+    ratio = {hw.captured: draft_step(spec, hw, 32, 32768, 512).seconds / target_step(spec, hw, 32, 32768).seconds
+             for hw in (captured, eager)}
+    assert ratio[False] > ratio[True] + 0.1
+    kwargs = dict(batch_size=32, prompt_len=32768, new_tokens=256)
+    assert plan(LLAMA, hardware=eager, **kwargs).predicted_speedup < plan(LLAMA, hardware=captured, **kwargs).predicted_speedup
+    assert get_hardware("cpu").layer_overhead == 0  # CPUs: host time is fitted into `overhead` by calibration
+    with pytest.raises(ValueError, match="layer_overhead"):
+        captured.replace(layer_overhead=-1.0)
+
+
+def test_resolution_plans_eager_steps_on_cpu(monkeypatch):
+    """resolve() tells the planner whether this call's steps are captured (CPU: never by default)."""
+    from conftest import make_model
+
+    from hf_magicdec import resolve as resolve_mod
+
+    seen = []
+    original = resolve_mod.search_plan
+    monkeypatch.setattr(resolve_mod, "search_plan", lambda spec, **kw: seen.append(kw["hardware"]) or original(spec, **kw))
+    model = make_model("llama-gqa3")
+    resolve_mod.resolve(MagicDecConfig(), model, 2, 512, 32)
+    resolve_mod.resolve(MagicDecConfig(compile=True), model, 2, 512, 32)
+    assert [hw.captured for hw in seen] == [False, True]

@@ -401,13 +401,15 @@ class MagicDecCache(Cache):
         return self.static_count + torch.minimum(self.ring_ptr, self.ring_size)
 
     # ------------------------------------------------------------------ commit / rows
-    def commit(self, num_tokens: torch.Tensor) -> None:
+    def commit(self, num_tokens: torch.Tensor, max_length: int | None = None) -> None:
         """Keep the first ``num_tokens[b]`` verified tokens of each row (the rest is rolled back)
         and append their target KV to every draft view's rolling window.
 
         Parameters
         ----------
         num_tokens : ``[B]`` int, in ``[0, q]`` where ``q`` is the last verify's token count.
+        max_length : the new ``lengths.max()`` when the caller read it already (the engine reads
+            it with its one host sync per step); None: read here.
         """
         num_tokens = num_tokens.to(self.lengths.device).long()
         if self.view is not None:
@@ -415,8 +417,11 @@ class MagicDecCache(Cache):
             src = (self.lengths[:, None] + j).clamp(max=self.capacity - 1)  # [B, q]
             self._append_to_windows(src, num_tokens, from_full_cache=True)
         self.lengths += num_tokens
-        self._max_len = int(self.lengths.max().item()) if self.lengths.numel() else 0
+        self._max_len = max_length if max_length is not None else self._read_max_length()
         self._mode = None
+
+    def _read_max_length(self) -> int:
+        return int(self.lengths.max().item()) if self.lengths.numel() else 0
 
     def commit_scratch(self, src: torch.Tensor, count: torch.Tensor) -> None:
         """Append draft scratch slots ``src[b, :count[b]]`` (relative to the scratch start) to each
@@ -457,8 +462,9 @@ class MagicDecCache(Cache):
                 layer.values = layer.values.new_empty((*layer.values.shape[:2], 0, layer.values.shape[-1]))
         self.capacity = self.max_capacity = 0  # nothing left to write into or grow
 
-    def select_rows(self, rows: torch.Tensor) -> None:
-        """Keep only ``rows`` (``[B']`` indices), dropping finished rows from the working batch."""
+    def select_rows(self, rows: torch.Tensor, max_length: int | None = None) -> None:
+        """Keep only ``rows`` (``[B']`` indices), dropping finished rows from the working batch
+        (``max_length``: the kept rows' longest length when the caller knows it; None: read here)."""
         rows = rows.to(self.lengths.device)
         self.pad = self.pad.index_select(0, rows)
         self.lengths = self.lengths.index_select(0, rows)
@@ -479,7 +485,7 @@ class MagicDecCache(Cache):
         for key, t in self.row_state.items():
             self.row_state[key] = t.index_select(0, rows.to(t.device))
         self.num_rows = int(rows.numel())
-        self._max_len = int(self.lengths.max().item()) if self.lengths.numel() else 0
+        self._max_len = max_length if max_length is not None else self._read_max_length()
         self._memo.clear()
 
     # Generic Cache API that would silently corrupt ragged state: refuse loudly.

@@ -83,6 +83,9 @@ class StatsRecorder(Observer):
     def __init__(self, stats: SpeculationStats, device: torch.device):
         self.stats, self.device = stats, device
         self._t, self._prefilled = 0.0, False
+        # Per-step rows and accepted counts stay on the device; read once at the end (no sync per step).
+        self._rows: list[torch.Tensor] = []
+        self._accepted: list[torch.Tensor] = []
 
     def _elapsed(self) -> float:
         profile_sync(self.device)
@@ -103,13 +106,19 @@ class StatsRecorder(Observer):
         stats.verify_seconds += verify_seconds
         stats.steps += 1
         stats.gamma_trace.append(gamma)
-        for orig, n in zip(rows.tolist(), accepted.tolist()):
-            stats.accepted_lengths[orig].append(n)
-            stats.row_gammas[orig].append(gamma)
+        self._rows.append(rows)
+        self._accepted.append(accepted)
 
     def on_end(self):
         if self._prefilled:
             self.stats.decode_seconds = self._elapsed()
+        if self._rows:
+            rows, accepted = torch.cat(self._rows).tolist(), torch.cat(self._accepted).tolist()
+            gammas = [g for g, r in zip(self.stats.gamma_trace, self._rows) for _ in range(r.shape[0])]
+            for orig, n, g in zip(rows, accepted, gammas):
+                self.stats.accepted_lengths[orig].append(n)
+                self.stats.row_gammas[orig].append(g)
+            self._rows, self._accepted = [], []
 
 
 class StreamerHook(Observer):

@@ -104,13 +104,13 @@ class Engine:
         while True:
             keep, finished = stopper.emit(b.tokens, b.rows, b.seq_len, new_tokens, num_new)
             self.observers.on_tokens(b.rows, new_tokens, keep, step_scores, step_logits)
+            alive, longest, longest_alive = self._read_step(finished, keep if accepted is not None else None)
             if accepted is not None:  # verified KV of the pending + accepted tokens: one slot per kept token
-                self.cache.commit(keep)
+                self.cache.commit(keep, longest)
                 self.drafter.commit(keep, accepted, gamma)
-            if not self.lockstep.keep_going(bool((~finished).any()), gamma, self.gamma.controller,
-                                            self.drafter.on_target):
+            if not self.lockstep.keep_going(alive > 0, gamma, self.gamma.controller, self.drafter.on_target):
                 break
-            self._drop_finished(b, finished)
+            self._drop_finished(b, finished, alive, longest_alive)
             pending = self._make_room(b, gamma)
             t0 = time.perf_counter()
             drafts, draft_probs = self._draft(b, pending, gamma)
@@ -149,12 +149,19 @@ class Engine:
         token, _ = pick(scores[:, 0], self.do_sample)
         return self.lockstep.share(token), scores
 
-    def _drop_finished(self, b: _Rows, finished: torch.Tensor) -> None:
-        if not bool(finished.any()):
+    def _read_step(self, finished: torch.Tensor, keep: torch.Tensor | None) -> list[int]:
+        """The step's one device→host read: ``[rows still alive, longest row, longest alive row]``,
+        lengths counted after committing ``keep`` (None: nothing to commit)."""
+        lengths = self.cache.lengths + keep.to(self.cache.lengths.device) if keep is not None else self.cache.lengths
+        alive = (~finished).to(lengths.device)
+        return torch.stack([alive.sum(), lengths.max(), torch.where(alive, lengths, 0).max()]).tolist()
+
+    def _drop_finished(self, b: _Rows, finished: torch.Tensor, alive: int, longest_alive: int) -> None:
+        if alive == b.rows.shape[0]:
             return
-        keep_idx = (~finished).nonzero().squeeze(1)
+        keep_idx = torch.argsort(finished.to(torch.int8), stable=True)[:alive]  # alive rows, in order; no sync
         b.rows = b.rows[keep_idx]
-        self.cache.select_rows(keep_idx)
+        self.cache.select_rows(keep_idx, longest_alive)
         self.drafter.select_rows(keep_idx)
 
     def _make_room(self, b: _Rows, gamma: int) -> torch.Tensor:

@@ -265,8 +265,10 @@ class Fit:
         base = get_hardware(base)
         flops = dict(base.peak_flops)
         flops[dtype] = self.flops
+        # The fitted overhead is the measured host time of eager forwards: it replaces the preset's
+        # per-layer estimate (not added to it).
         return base.replace(name=name or base.name, peak_flops=flops, bandwidth=self.bandwidth,
-                            overhead=self.overhead, overlap=self.overlap)
+                            overhead=self.overhead, overlap=self.overlap, layer_overhead=0.0)
 
 
 # ---------------------------------------------------------------------------------------- cache keys

@@ -44,7 +44,15 @@ class HardwareSpec:
         Fixed cost of one all-reduce, seconds (only when ``tp > 1``).
     overhead : float
         Fixed cost of one forward pass (kernel launches, Python), seconds. 0 in the GPU presets
-        (pure roofline); fitted by calibration.
+        (their host time is ``layer_overhead``); fitted by calibration.
+    layer_overhead : float
+        Host time per decoder layer of an *eager* forward, seconds: on a GPU each of a layer's ~60
+        operators costs a launch and some Python (about 0.3 ms per layer, 10 ms for a 32-layer
+        model, whatever the batch). Paid only when ``captured`` is False.
+    captured : bool
+        Whether the steps run captured (``compile=``: CUDA graphs), which removes the per-layer
+        host time. True by default (``compile="auto"`` captures on CUDA); the per-call planner sets
+        it from the call's ``compile`` setting. Calibrated CPUs fit their host time into ``overhead``.
     overlap : bool
         True (roofline): an op group costs ``max(compute, memory)``, the two overlap perfectly,
         as on GPUs. False: ``compute + memory``, which describes small CPU matmuls better (see
@@ -71,6 +79,8 @@ class HardwareSpec:
     allreduce_latency: float = 5e-6
     overhead: float = 0.0
     overlap: bool = True
+    layer_overhead: float = 0.0
+    captured: bool = True
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
@@ -89,6 +99,7 @@ class HardwareSpec:
         check_number("link_bandwidth", self.link_bandwidth)
         check_number("allreduce_latency", self.allreduce_latency, allow_zero=True)
         check_number("overhead", self.overhead, allow_zero=True)
+        check_number("layer_overhead", self.layer_overhead, allow_zero=True)
         check_int("tp", self.tp)
         if not isinstance(self.overlap, bool):
             raise ValueError(f"overlap must be a bool, got {self.overlap!r}.")
@@ -133,6 +144,9 @@ class HardwareSpec:
 
 _GB = 1e9
 _GIB = 1024**3
+# Host time per decoder layer of an eager GPU forward: torch.profiler counts ~1,900 top-level aten
+# operators in one 32-layer Llama decode forward (~60 per layer), at ~5 µs of launch and Python each.
+_EAGER_LAYER_OVERHEAD = 0.3e-3
 
 #: Vendor datasheet peaks, dense, per device. NVLink figures are per direction.
 HARDWARE_PRESETS: dict[str, HardwareSpec] = {
@@ -140,22 +154,26 @@ HARDWARE_PRESETS: dict[str, HardwareSpec] = {
         name="A100 80GB SXM",
         peak_flops={"float32": 19.5e12, "bfloat16": 312e12, "float16": 312e12},
         bandwidth=2039 * _GB, memory_bytes=80 * _GIB, link_bandwidth=300 * _GB,
+        layer_overhead=_EAGER_LAYER_OVERHEAD,
     ),
     "h100": HardwareSpec(
         name="H100 SXM",
         peak_flops={"float32": 67e12, "bfloat16": 989e12, "float16": 989e12, "float8": 1979e12},
         bandwidth=3350 * _GB, memory_bytes=80 * _GIB, link_bandwidth=450 * _GB,
+        layer_overhead=_EAGER_LAYER_OVERHEAD,
     ),
     "h200": HardwareSpec(
         name="H200 SXM",
         peak_flops={"float32": 67e12, "bfloat16": 989e12, "float16": 989e12, "float8": 1979e12},
         bandwidth=4800 * _GB, memory_bytes=141 * _GB, link_bandwidth=450 * _GB,
+        layer_overhead=_EAGER_LAYER_OVERHEAD,
     ),
     "l40s": HardwareSpec(
         # No NVLink: all-reduce goes over PCIe Gen4 x16 (~32 GB/s per direction, less in practice).
         name="L40S",
         peak_flops={"float32": 91.6e12, "bfloat16": 362e12, "float16": 362e12, "float8": 733e12},
         bandwidth=864 * _GB, memory_bytes=48 * _GIB, link_bandwidth=25 * _GB, allreduce_latency=15e-6,
+        layer_overhead=_EAGER_LAYER_OVERHEAD,
     ),
     "cpu": HardwareSpec(
         # Placeholder for a few AVX2/AVX-512 cores and dual-channel DRAM; calibrate to replace it.

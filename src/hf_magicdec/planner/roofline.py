@@ -9,7 +9,7 @@ over layers::
     attention  KV read + write       bytes = 2·B·Hkv·(L+q)·Dh·kvb   FLOPs = 4·B·q·L·H·Dh
     lm_head    once per forward      bytes = V·d·wb                 FLOPs = 2·B·n_logits·V·d
     allreduce  2 per layer if tp>1   ring all-reduce of B·q·d activations + latency
-    overhead   once per forward      hardware.overhead
+    overhead   once per forward      hardware.overhead (+ layers · layer_overhead when not captured)
 
 With tensor parallelism the weights, heads, KV heads (replicated when fewer than ``tp``) and
 vocabulary are split over ``tp`` devices. The three steps of MagicDec (``T_T``, ``T_D``, ``T_V``)
@@ -168,7 +168,8 @@ def forward_cost(model: ModelSpec, hardware: HardwareSpec, *, batch: int, query_
         gather = (tp - 1) / tp * logits / hardware.link_bandwidth + hardware.allreduce_latency
         comm = 2 * model.layers * per_allreduce + gather
     groups["allreduce"] = GroupCost(0.0, 0.0, comm)
-    groups["overhead"] = GroupCost(0.0, 0.0, hardware.overhead)
+    host = hardware.overhead + (0.0 if hardware.captured else model.layers * hardware.layer_overhead)
+    groups["overhead"] = GroupCost(0.0, 0.0, host)
     return StepCost(sum(g.seconds for g in groups.values()), groups)
 
 
