@@ -95,3 +95,23 @@ def test_step_timing_with_captured_steps(fresh_dynamo):
     steps = measure_steps(model, 2, 96, gammas=(1, 3), budgets=(32, 64), repeats=1, compile_config=CAPTURE)
     assert steps.t_target > 0 and all(t > 0 for t in (*steps.t_verify.values(), *steps.t_draft.values()))
     assert _graphs(fresh_dynamo) >= 2  # the forwards really went through torch.compile
+
+
+def test_compiled_batch_keeps_finished_rows_until_it_halves(fresh_dynamo):
+    """Under compiled steps finished rows stay in the working batch (dead: they emit and count
+    nothing) until at most half is alive, so batch sizes halve and graphs stay few; the output and
+    each row's statistics are those of its live steps only."""
+    model = make_model("llama-gqa3")
+    ids, mask = ragged_prompts(batch=8, length=24, seed=11)
+    kwargs = dict(input_ids=ids, attention_mask=mask, max_new_tokens=48, do_sample=False, eos_token_id=EOS)
+    reference = model.generate(**kwargs)
+    out = model.generate(**kwargs, speculative="magicdec", draft="streamingllm", draft_budget=12, sink_tokens=2,
+                         gamma=3, compile=CAPTURE, return_dict_in_generate=True)
+    assert torch.equal(reference, out.sequences)
+    prompt = ids.shape[1]
+    generated = [int(((out.sequences[r, prompt:] != 0)).sum()) for r in range(8)]
+    assert min(generated) < max(generated)  # a row finishes early and stays in the batch, dead
+    for row, accepted in enumerate(out.speculation.accepted_lengths):
+        emitted = 1 + sum(a + 1 for a in accepted)  # the first token, then accepted + 1 per live step
+        assert emitted >= generated[row] > emitted - (accepted[-1] + 1 if accepted else 1), (row, accepted)
+    assert _graphs(fresh_dynamo) <= 6, dict(fresh_dynamo["stats"])

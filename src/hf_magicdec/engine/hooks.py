@@ -44,7 +44,8 @@ class Observer:
 
     def on_step(self, rows: torch.Tensor, accepted: torch.Tensor, gamma: int, draft_seconds: float,
                 verify_seconds: float) -> None:
-        """One verification: ``accepted [b]`` drafts of ``gamma`` per working row."""
+        """One verification: ``accepted [b]`` drafts of ``gamma`` per working row (``rows`` is -1
+        for a finished row that compiled steps keep in the batch)."""
 
     def on_end(self) -> None:
         """The generation is over (also when nothing was generated)."""
@@ -116,6 +117,8 @@ class StatsRecorder(Observer):
             rows, accepted = torch.cat(self._rows).tolist(), torch.cat(self._accepted).tolist()
             gammas = [g for g, r in zip(self.stats.gamma_trace, self._rows) for _ in range(r.shape[0])]
             for orig, n, g in zip(rows, accepted, gammas):
+                if orig < 0:  # a finished row kept in a compiled batch
+                    continue
                 self.stats.accepted_lengths[orig].append(n)
                 self.stats.row_gammas[orig].append(g)
             self._rows, self._accepted = [], []
@@ -191,7 +194,7 @@ class FixedGamma:
     def __init__(self, gamma: int):
         self.gamma = gamma
 
-    def after_step(self, accepted: torch.Tensor) -> int:
+    def after_step(self, accepted: torch.Tensor, live: int | None = None) -> int:
         return self.gamma
 
 
@@ -203,7 +206,9 @@ class AdaptiveGamma:
         self.controller, self.lockstep = controller, lockstep
         self.gamma = controller.gamma
 
-    def after_step(self, accepted: torch.Tensor) -> int:
-        pooled = self.lockstep.pool(int(accepted.sum()), self.gamma * int(accepted.numel()))
+    def after_step(self, accepted: torch.Tensor, live: int | None = None) -> int:
+        """``accepted [b]`` (0 for finished rows still in the batch), ``live``: rows that drafted."""
+        live = int(accepted.numel()) if live is None else live
+        pooled = self.lockstep.pool(int(accepted.sum()), self.gamma * live)
         self.gamma = self.controller.update(*pooled)
         return self.gamma

@@ -43,6 +43,7 @@ class _Rows:
     rows: torch.Tensor
     seq_len: torch.Tensor
     tokens: RaggedBatch
+    dead: torch.Tensor  # [b] finished rows kept in a compiled batch until it halves (fixed shapes)
 
 
 class Engine:
@@ -86,7 +87,8 @@ class Engine:
         capacity = initial_capacity(prompt, max_new, self.scratch)
         b = _Rows(torch.arange(batch, device=input_ids.device),
                   torch.full((batch,), prompt, device=input_ids.device, dtype=torch.long),
-                  RaggedBatch(input_ids, capacity, self.processors, self.criteria, self._pad_id()))
+                  RaggedBatch(input_ids, capacity, self.processors, self.criteria, self._pad_id()),
+                  torch.zeros(batch, dtype=torch.bool, device=input_ids.device))
         self.observers.on_prompt(input_ids)
         if max_new == 0:
             self.lockstep.sit_out(self.gamma.gamma, self.gamma.controller, self.drafter.on_target)
@@ -102,7 +104,7 @@ class Engine:
         new_tokens, num_new, step_scores, step_logits = first[:, None], torch.ones_like(first), scores, logits
         accepted, gamma = None, self.gamma.gamma
         while True:
-            keep, finished = stopper.emit(b.tokens, b.rows, b.seq_len, new_tokens, num_new)
+            keep, finished = stopper.emit(b.tokens, b.rows, b.seq_len, new_tokens, num_new, b.dead)
             self.observers.on_tokens(b.rows, new_tokens, keep, step_scores, step_logits)
             alive, longest, longest_alive = self._read_step(finished, keep if accepted is not None else None)
             if accepted is not None:  # verified KV of the pending + accepted tokens: one slot per kept token
@@ -118,10 +120,12 @@ class Engine:
             step_logits = verify_step(self.call, self.cache, pending, drafts)
             step_scores = b.tokens.process(b.rows, b.seq_len[b.rows], step_logits)
             accepted, nxt = self.lockstep.share(*accept(drafts, draft_probs, step_scores, self.do_sample))
-            self.observers.on_step(b.rows, accepted, gamma, t1 - t0, _synced(pending.device) - t1)
+            accepted = accepted.masked_fill(b.dead, 0)  # kept finished rows emit and count nothing
+            self.observers.on_step(b.rows.masked_fill(b.dead, -1), accepted, gamma, t1 - t0,
+                                   _synced(pending.device) - t1)
             new_tokens = torch.cat([drafts, nxt[:, None]], dim=1)
             new_tokens.scatter_(1, accepted[:, None], nxt[:, None])  # [b, γ+1]; the first accepted + 1 are real
-            num_new, gamma = accepted + 1, self.gamma.after_step(accepted)
+            num_new, gamma = (accepted + 1).masked_fill(b.dead, 0), self.gamma.after_step(accepted, alive)
         self.observers.on_end()
         return self._sequences(b)
 
@@ -157,10 +161,14 @@ class Engine:
         return torch.stack([alive.sum(), lengths.max(), torch.where(alive, lengths, 0).max()]).tolist()
 
     def _drop_finished(self, b: _Rows, finished: torch.Tensor, alive: int, longest_alive: int) -> None:
-        if alive == b.rows.shape[0]:
+        """Finished rows leave the working batch at once, except under compiled steps: there they
+        stay as dead rows until at most half the batch is alive, so batch sizes (graph shapes) at
+        least halve from one to the next."""
+        if alive == b.rows.shape[0] or (self.call.compiled is not None and 2 * alive > b.rows.shape[0]):
+            b.dead = finished
             return
         keep_idx = torch.argsort(finished.to(torch.int8), stable=True)[:alive]  # alive rows, in order; no sync
-        b.rows = b.rows[keep_idx]
+        b.rows, b.dead = b.rows[keep_idx], b.dead.new_zeros(alive)
         self.cache.select_rows(keep_idx, longest_alive)
         self.drafter.select_rows(keep_idx)
 

@@ -25,10 +25,12 @@ class Stopper:
         self.flagged_len = torch.full((batch,), -1, device=device, dtype=torch.long)
 
     def emit(self, rb: RaggedBatch, rows: torch.Tensor, seq_len: torch.Tensor, new_tokens: torch.Tensor,
-             num_new: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+             num_new: torch.Tensor, dead: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Write each working row's ``num_new [b]`` new tokens (``new_tokens [b, w]``) after its
         ``seq_len [B]`` tokens, apply the stopping criteria in token order and decide which rows
-        are finished. Returns ``(keep [b], finished [b])``; ``seq_len`` is advanced by ``keep``."""
+        are finished. Returns ``(keep [b], finished [b])``; ``seq_len`` is advanced by ``keep``.
+        ``dead [b]``: rows that finished earlier but are still in the working batch (their
+        ``num_new`` is 0); they stay finished and their length never changes."""
         ctx = seq_len[rows]
         width = new_tokens.shape[1]
         j = torch.arange(width, device=new_tokens.device)
@@ -73,5 +75,8 @@ class Stopper:
                 at_cap = keep >= room
             finished = at_cap
         # `cap` can shrink below a row's length (stock semantics without an EOS criterion).
-        seq_len[rows] = torch.minimum(ctx + keep, cap[rows])
+        new_len = torch.minimum(ctx + keep, cap[rows])
+        if dead is not None:
+            new_len, finished = torch.where(dead, ctx, new_len), finished | dead
+        seq_len[rows] = new_len
         return keep, finished
