@@ -125,9 +125,11 @@ def generate(
     batch, prompt = input_ids.shape
     left_padding(model_kwargs.get("attention_mask"), batch, input_ids.device)  # refuse right padding up front
     lockstep = Lockstep.for_model(model, synced, input_ids.device, generation_config._pad_token_tensor)
+    # Decided once: the planner prices the host time of eager steps, the engine compiles or not.
+    compile_config = compile_config_for(config.compile, generation_config, input_ids.device)
     # Every rank of a TP group (every rank under synced_gpus) runs the first rank's plan.
     resolution = lockstep.agree(resolve(config, model, batch, prompt, max(generation_config.max_length - prompt, 0),
-                                        draft_model=magicdec_draft_model, generation_config=generation_config))
+                                        draft_model=magicdec_draft_model, captured=compile_config is not None))
     if resolution.config is None:
         return _stock(model, input_ids, logits_processor, stopping_criteria, generation_config, synced, streamer,
                       resolution, model_kwargs)
@@ -135,7 +137,7 @@ def generate(
     draft_attention = attention.switched(draft_model) if draft_model is not None else contextlib.nullcontext()
     with attention.switched(model), draft_attention, lockstep.watching(model):
         return _speculate(model, draft_model, resolution, input_ids, generation_config, logits_processor,
-                          stopping_criteria, streamer, lockstep, model_kwargs)
+                          stopping_criteria, streamer, lockstep, model_kwargs, compile_config)
 
 
 def _with_stop_strings(stopping_criteria, stop_strings, tokenizer):
@@ -170,15 +172,15 @@ def _stock(model, input_ids, logits_processor, stopping_criteria, generation_con
 
 
 def _speculate(model, draft_model, resolution, input_ids, gen, logits_processor, stopping_criteria, streamer,
-               lockstep, model_kwargs):
-    """Assemble the engine for ``resolution.config`` and run it."""
+               lockstep, model_kwargs, compile_config):
+    """Assemble the engine for ``resolution.config`` and run it (``compile_config``: compiled
+    steps, or None)."""
     config = resolution.config
     view = config.view
     batch, prompt = input_ids.shape
     max_new = max(gen.max_length - prompt, 0)
     gamma, scratch = _gamma_policy(config, view, prompt, max_new, lockstep, resolution)
     chunk = gen.prefill_chunk_size or config.prefill_chunk_size
-    compile_config = compile_config_for(config.compile, gen, input_ids.device)
     call = ModelCall.of(model, compile_config)
     drafter = (ModelDrafter(draft_model, view, config, chunk, gen.max_length, compile_config) if draft_model is not None
                else SelfDrafter(call, view, config))

@@ -172,12 +172,14 @@ def _first_valid(config: MagicDecConfig, changes: dict) -> MagicDecConfig | None
 
 
 def resolve(config: MagicDecConfig, model, batch: int, prompt_len: int, new_tokens: int,
-            draft_model=None, generation_config=None) -> Resolution:
+            draft_model=None, captured: bool | None = None) -> Resolution:
     """Fill the ``"auto"`` fields of ``config`` for this workload (see module docstring).
 
     With a separate ``draft_model``, its candidates (each view on *its* cache) are planned; when
     ``draft``, ``draft_budget`` and ``gamma`` are all ``"auto"``, self-speculation competes too and
-    may win (``Resolution.use_draft_model`` is then False)."""
+    may win (``Resolution.use_draft_model`` is then False). ``captured``: whether the call's steps
+    run compiled (``generate`` decides it once); None: decided from ``config.compile`` and the
+    model's generation config."""
     if config.is_resolved and not config.adaptive:
         return Resolution(config)
 
@@ -185,9 +187,10 @@ def resolve(config: MagicDecConfig, model, batch: int, prompt_len: int, new_toke
     hardware, where = hardware_for(model, config, spec)
     hardware = with_tp_degree(hardware, model)  # a tensor-parallel model plans as a TP group
     # Eager steps pay host time per layer on a GPU; captured ones (compile=) do not.
-    gen = generation_config if generation_config is not None else model.generation_config
-    hardware = hardware.replace(captured=compile_config_for(config.compile, gen, next(model.parameters()).device)
-                                is not None)
+    if captured is None:
+        captured = compile_config_for(config.compile, model.generation_config, next(model.parameters()).device) \
+            is not None
+    hardware = hardware.replace(captured=captured)
 
     def prior_or_observed(draft, budget, context):
         key = draft_key(draft.split(":", 1)[1], draft_model) if draft.startswith("model:") else draft

@@ -20,19 +20,17 @@ from transformers.generation.utils import GenerationMixin
 from .config import MagicDecConfig
 from .api import generate as engine
 from .engine.validation import check_route_kwargs
-from .views import view_option_names
 
 _original_generate = None
-# MagicDecConfig fields taken from generate's keywords (prefill_chunk_size is the generation
-# config's); every registered draft view's options are taken too (_option_names).
-_OPTION_NAMES = ("draft", "draft_budget", "gamma", "adaptive_gamma", "max_gamma", "hardware", "refresh_every",
-                 "refresh_below", "compile")
+# prefill_chunk_size is also a GenerationConfig field, which takes precedence: left to generate.
+_GENERATION_CONFIG_FIELDS = ("prefill_chunk_size",)
 _OFF = (None, False, "", "none", "off")
 
 
 def _option_names() -> tuple[str, ...]:
-    """The keywords of ``generate`` that configure MagicDec: config fields and view options."""
-    return _OPTION_NAMES + tuple(n for n in view_option_names() if n not in _OPTION_NAMES)
+    """The keywords of ``generate`` that configure MagicDec: the config's fields and every
+    registered view's options (``MagicDecConfig.option_names``), but the generation config's."""
+    return tuple(n for n in MagicDecConfig.option_names() if n not in _GENERATION_CONFIG_FIELDS)
 
 
 def is_enabled() -> bool:

@@ -42,7 +42,7 @@ from .planner.hardware import HardwareSpec
 from .planner.modelspec import ModelSpec
 from .engine import attention
 from .engine.drafters import new_cache
-from .engine.steps import ModelCall, draft_step, num_layers, prefill, verify_step
+from .engine.steps import ModelCall, draft_step, prefill, verify_step
 from .views import DraftView
 
 __all__ = ["calibrate", "measure_steps", "probe_acceptance"]
@@ -83,9 +83,9 @@ def _synthetic_cache(model, batch: int, context: int, capacity: int, observation
     """
     param = next(model.parameters())
     spec = ModelSpec.from_config(model.config)
-    pad = torch.zeros(batch, dtype=torch.long, device=param.device)
-    cache = MagicDecCache(num_layers(model), batch, capacity, pad)
-    cache.observation_window = observation_window
+    # A timing cache carries no generation length (no sliding-window check).
+    cache = new_cache(model, torch.zeros(batch, dtype=torch.long, device=param.device), capacity, observation_window,
+                      None)
     for layer in cache.layers:
         seed = torch.zeros(batch, spec.kv_heads, 1, spec.head_dim, dtype=param.dtype, device=param.device)
         layer.lazy_initialization(seed, seed)
@@ -182,7 +182,7 @@ def measure_steps(
         if input_ids is not None:
             positions = torch.arange(context, device=device)[None].expand(batch, -1)
             # A timing cache carries no generation length (no sliding-window check).
-            cache = new_cache(model, input_ids, zeros, capacity, view.observation_window(), None)
+            cache = new_cache(model, zeros, capacity, view.observation_window(), None)
             prefill(call, cache, input_ids.to(device), positions, chunk=1024)
         else:
             cache = _synthetic_cache(model, batch, context, capacity, view.observation_window())

@@ -70,12 +70,11 @@ class Drafter(Protocol):
         """Keep only these working rows (``[b']`` indices into the current working batch)."""
 
 
-def new_cache(model, input_ids: torch.Tensor, pad: torch.Tensor, capacity: int, observe: int,
-              position_limit: int | None) -> MagicDecCache:
-    """An empty :class:`MagicDecCache` for ``model`` and these prompts, recording the last
-    ``observe`` prompt queries; ``position_limit``: the largest position the generation reaches
-    (sliding-window layers must cover it)."""
-    cache = MagicDecCache(num_layers(model), input_ids.shape[0], capacity, pad)
+def new_cache(model, pad: torch.Tensor, capacity: int, observe: int, position_limit: int | None) -> MagicDecCache:
+    """An empty :class:`MagicDecCache` for ``model`` and prompts left-padded by ``pad [B]``,
+    recording the last ``observe`` prompt queries; ``position_limit``: the largest position the
+    generation reaches (sliding-window layers must cover it; None: unchecked)."""
+    cache = MagicDecCache(num_layers(model), pad.shape[0], capacity, pad)
     cache.observation_window = observe
     cache.position_limit = position_limit
     return cache
@@ -165,7 +164,7 @@ class ModelDrafter:
     def prepare(self, target, input_ids, position_ids, max_new_tokens, scratch) -> None:
         """Prefill the draft model on the prompts, build its views, free its full cache."""
         prompt = input_ids.shape[1]
-        self.cache = new_cache(self.model, input_ids, target.pad.clone(), prompt,
+        self.cache = new_cache(self.model, target.pad.clone(), prompt,
                                self.view.observation_window(), self.position_limit)
         prefill(self.call, self.cache, input_ids, position_ids, self.chunk)
         self.cache.fixed_shapes = self.call.compiled is not None

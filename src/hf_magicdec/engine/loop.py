@@ -70,6 +70,8 @@ class Engine:
         self.observers = observers if observers is not None else Observer()
         self.lockstep = lockstep
         self.do_sample = bool(generation_config.do_sample)
+        pad = generation_config._pad_token_tensor
+        self.pad_id = int(pad.item()) if pad is not None else 0  # fill of unused slots and of rows' ends
         self.cache = None
 
     def run(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
@@ -87,7 +89,7 @@ class Engine:
         capacity = initial_capacity(prompt, max_new, self.scratch)
         b = _Rows(torch.arange(batch, device=input_ids.device),
                   torch.full((batch,), prompt, device=input_ids.device, dtype=torch.long),
-                  RaggedBatch(input_ids, capacity, self.processors, self.criteria, self._pad_id()),
+                  RaggedBatch(input_ids, capacity, self.processors, self.criteria, self.pad_id),
                   torch.zeros(batch, dtype=torch.bool, device=input_ids.device))
         self.observers.on_prompt(input_ids)
         if max_new == 0:
@@ -140,7 +142,7 @@ class Engine:
             self.cache, logits = found
             self.cache.position_limit = self.gen.max_length
         else:
-            self.cache = new_cache(self.call.model, input_ids, pad, capacity, observe, self.gen.max_length)
+            self.cache = new_cache(self.call.model, pad, capacity, observe, self.gen.max_length)
             logits = prefill(self.call, self.cache, input_ids, position_ids, self.chunk)
             store_prefill(input_ids, position_ids, pad, self.chunk, observe, self.cache, logits)
         self.cache.max_capacity = max(self.cache.capacity, max_capacity)
@@ -197,15 +199,11 @@ class Engine:
             tok = d[:, None]
         return torch.stack(drafts, dim=1), (torch.stack(probs, dim=1) if self.do_sample else None)
 
-    def _pad_id(self) -> int:
-        pad = self.gen._pad_token_tensor
-        return int(pad.item()) if pad is not None else 0
-
     def _sequences(self, b: _Rows) -> torch.Tensor:
         total = int(b.seq_len.max())
         sequences = b.tokens.tokens[:, :total].clone()
         cols = torch.arange(total, device=sequences.device)
-        sequences[cols[None, :] >= b.seq_len[:, None]] = self._pad_id()
+        sequences[cols[None, :] >= b.seq_len[:, None]] = self.pad_id
         return sequences
 
 
