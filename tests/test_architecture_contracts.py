@@ -46,8 +46,10 @@ def test_library_works_without_the_tooling():
 
 #: The library's only function-local imports, each of a dependency that is optional where it is used:
 #: Triton (GPU kernels), torch inside the torch-free planner (naming a device for a calibration), and
-#: transformers' DeepSpeed / FSDP helpers, whose home moved between releases.
+#: transformers' DeepSpeed / FSDP helpers, whose home moved between releases, and torchao (quantized
+#: draft weights on CUDA).
 OPTIONAL_LOCAL_IMPORTS = {
+    ("hf_magicdec/engine/draft_weights.py", "torchao.quantization"),
     ("hf_magicdec/kernels/__init__.py", "hf_magicdec.kernels.triton_kernels"),
     ("hf_magicdec/planner/calibration_store.py", "torch"),
     ("hf_magicdec/parallel/lockstep.py", "transformers.integrations.deepspeed"),

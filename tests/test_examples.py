@@ -44,6 +44,8 @@ SCRIPTS = {
     "plan_then_generate.py": (["--batch", "2", "--context", "320", "--new-tokens", "12", "--force",
                                "--hardware", "h100"],
                               ["--- plan on h100", "--- plan on this device", "identical to stock generate: yes"]),
+    "reuse_prefix.py": (["--context", "256", "--new-tokens", "12", "--budget", "64"],
+                        ["all answers identical to stock generate: yes", "prefill saved"]),
     # docs/multi_gpu.md's script; --tiny: a random tiny Llama behind a device map, runs on one CPU.
     "multi_gpu.py": (["--tiny"], ["identical to stock generate: yes"]),
 }
@@ -177,7 +179,7 @@ def test_docs_name_only_existing_things():
     for page in CHECKED_PAGES:
         text = page.read_text(encoding="utf-8")
         names |= {n.rstrip(".") for n in re.findall(r"\bhf_magicdec(?:_bench)?(?:\.[A-Za-z_][A-Za-z0-9_]*)+", text)}
-        commands |= set(re.findall(r"(?:^|`)hf-magicdec ([a-z]+)\b", text, re.M))  # commands, not prose
+        commands |= set(re.findall(r"(?:^|`)hf-magicdec ([a-z][a-z-]*)\b", text, re.M))  # commands, not prose
     missing = []
     for name in sorted(names):
         try:

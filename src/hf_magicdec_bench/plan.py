@@ -74,7 +74,15 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--grid-contexts", type=_ints, default=GRID_CONTEXTS)
     ap.add_argument("--plot", default=None, help="write the grid as a PNG heatmap to this path")
     ap.add_argument("--json", action="store_true", help="print the plan as JSON instead of text")
+    ap.add_argument("--quiet", action="store_true",
+                    help="no progress or informational messages on stderr (errors and the result still print)")
     return ap
+
+
+def _note(args, *text: str) -> None:
+    """An informational line on stderr, unless ``--quiet``."""
+    if not getattr(args, "quiet", False):
+        print(*text, file=sys.stderr)
 
 
 # ------------------------------------------------------------------------------ model config
@@ -151,7 +159,7 @@ def _probe(args, spec: ModelSpec) -> dict[tuple[str, int], float]:
             alpha = probe_acceptance(model, draft=draft, budget=budget, gamma=4, batch=1, context=context,
                                      new_tokens=64, input_ids=prompt_batch(tokenizer, 1, context))
             found[(draft, budget)] = alpha
-            print(f"  alpha {draft}/{budget} at {context} tokens: {alpha:.3f}", file=sys.stderr)
+            _note(args, f"  alpha {draft}/{budget} at {context} tokens: {alpha:.3f}")
     return found
 
 
@@ -170,22 +178,22 @@ def _calibration(args, name: str, spec: ModelSpec) -> Any:
     if not args.recalibrate:
         found = cal.load_calibration(name, spec, device, dtype)
         if found is not None:
-            print(f"using cached calibration {cal.calibration_path(name, spec, found.device, dtype)}", file=sys.stderr)
+            _note(args, f"using cached calibration {cal.calibration_path(name, spec, found.device, dtype)}")
             return found
     if not args.calibrate and not args.recalibrate:
         if not cuda:
-            print("note: no calibration cached for this model on this CPU; the 'cpu' preset is a rough placeholder "
-                  "(run with --calibrate to measure it, about 30 s)", file=sys.stderr)
+            _note(args, "note: no calibration cached for this model on this CPU; the 'cpu' preset is a rough "
+                        "placeholder (run with --calibrate to measure it, about 30 s)")
         return None
-    print(f"calibrating {name} ({dtype}) on {cal.device_key(device)} ...", file=sys.stderr)
+    _note(args, f"calibrating {name} ({dtype}) on {cal.device_key(device)} ...")
     model, _ = _load_model(args.model, dtype, device)
     result = step_timing.calibrate(model, name=name, base=args.hardware, force=True,
-                           progress=lambda line: print(line, file=sys.stderr))
-    print(f"calibration took {result.wall_seconds:.1f} s: bandwidth {result.bandwidth / 1e9:.2f} GB/s, "
-          f"{result.flops / 1e9:.1f} GFLOP/s, overhead {result.overhead * 1e3:.2f} ms/forward, "
-          f"form {'max(compute, memory)' if result.overlap else 'compute + memory'}, "
-          f"relative RMS error {result.rel_rms_error:.1%}", file=sys.stderr)
-    print(result.table(), file=sys.stderr)
+                           progress=lambda line: _note(args, line))
+    _note(args, f"calibration took {result.wall_seconds:.1f} s: bandwidth {result.bandwidth / 1e9:.2f} GB/s, "
+                f"{result.flops / 1e9:.1f} GFLOP/s, overhead {result.overhead * 1e3:.2f} ms/forward, "
+                f"form {'max(compute, memory)' if result.overlap else 'compute + memory'}, "
+                f"relative RMS error {result.rel_rms_error:.1%}")
+    _note(args, result.table())
     return result
 
 
@@ -318,7 +326,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                  + (f", alpha={args.acceptance}" if isinstance(args.acceptance, float) else "")
                  + (", probed alpha" if isinstance(args.acceptance, dict) else ""))
         plot_grid(grid, args.grid_batches, args.grid_contexts, args.plot, title)
-        print(f"wrote {os.fspath(args.plot)}", file=sys.stderr)
+        _note(args, f"wrote {os.fspath(args.plot)}")
     return 0
 
 

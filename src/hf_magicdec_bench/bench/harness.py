@@ -4,6 +4,11 @@ Prefill and decode are split by a streamer timestamp, identically for every meth
 hands the prompt to the streamer before any forward, and the first generated token right after
 prefill (for MagicDec, after the draft views are built too). *Decode* is everything after that
 first token until ``generate`` returns.
+
+With a progress bar, the same bar first shows the prefill (prompt tokens through the model's decoder
+layers, counted by forward hooks that live only until the first token, so decode is timed without
+them), then the decode (tokens of row 0). Stock ``generate`` and MagicDec's chunked prefill alike:
+the hooks sit on the model, not in either decoding loop.
 """
 
 from __future__ import annotations
@@ -25,7 +30,70 @@ import torch
 import transformers
 from hf_magicdec import __version__
 from hf_magicdec.planner.calibrate import cpu_name
+from torch.nn.modules.module import register_module_forward_pre_hook
+from transformers import PreTrainedModel
 from transformers.generation.streamers import BaseStreamer
+from transformers.modeling_layers import GradientCheckpointingLayer
+
+
+class PrefillProgress:
+    """Moves a tqdm ``bar`` through the prompt while a ``generate`` call prefills it.
+
+    Until the first model forward it watches every module call (a global forward pre-hook) for the
+    outermost ``PreTrainedModel``, then counts that model's decoder layers finishing: each one adds
+    ``rows x chunk tokens / layers`` to the bar (whose total is all rows' prompt tokens), so a prompt prefilled at once (stock ``generate``) and one
+    prefilled in chunks (MagicDec) both move it layer by layer. :meth:`close` removes every hook and
+    hands the bar back as it was (description, total, unit) for the decode.
+    """
+
+    def __init__(self, bar, prompt_tokens: int):
+        self.bar = bar
+        self.total = max(int(prompt_tokens), 1)
+        self._saved = (bar.desc, bar.total, bar.unit)
+        self._done = 0.0
+        self._layers = 1
+        self._handles = []
+        bar.unit = "tok"
+        bar.set_description_str(f"{bar.desc} prefill", refresh=False)
+        bar.reset(total=self.total)
+        self._finder = register_module_forward_pre_hook(self._find)
+
+    def _find(self, module, args):
+        if self._finder is None or not isinstance(module, PreTrainedModel):
+            return None
+        self._finder.remove()
+        self._finder = None
+        layers = [m for m in module.modules() if isinstance(m, GradientCheckpointingLayer)]
+        if layers:
+            self._layers = len(layers)
+            self._handles = [m.register_forward_hook(self._count, with_kwargs=True) for m in layers]
+        else:  # no recognisable decoder layers: count whole forwards of the model
+            self._handles = [module.register_forward_hook(self._count, with_kwargs=True)]
+        return None
+
+    def _count(self, module, args, kwargs, output):
+        x = args[0] if args else kwargs.get("hidden_states", kwargs.get("input_ids"))
+        if isinstance(x, torch.Tensor) and x.dim() >= 2:
+            self._done += x.shape[0] * x.shape[1] / self._layers
+            n = min(int(self._done + 1e-6), self.total)
+            if n > self.bar.n:
+                self.bar.update(n - self.bar.n)
+        return None
+
+    def close(self) -> None:
+        """Remove the hooks; restore the bar for the decode (idempotent)."""
+        if self._finder is not None:
+            self._finder.remove()
+            self._finder = None
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+        if self._saved is not None:
+            desc, total, unit = self._saved
+            self._saved = None
+            self.bar.unit = unit
+            self.bar.set_description_str(desc, refresh=False)
+            self.bar.reset(total=total)
 
 
 class Clock(BaseStreamer):
@@ -34,7 +102,8 @@ class Clock(BaseStreamer):
     Parameters
     ----------
     progress : tqdm bar or None
-        Advanced by the tokens of row 0 (stock ``generate`` streams one per step; MagicDec streams
+        Shows the prefill (:class:`PrefillProgress`, prompt tokens) until the first new token, then
+        advances by the tokens of row 0 (stock ``generate`` streams one per step; MagicDec streams
         a step's accepted tokens at once).
     """
 
@@ -43,6 +112,7 @@ class Clock(BaseStreamer):
         self.first: float | None = None
         self.stop: float | None = None
         self.progress = progress
+        self.prefill: PrefillProgress | None = None
         self._rows = None
 
     def put(self, value: torch.Tensor) -> None:
@@ -50,15 +120,32 @@ class Clock(BaseStreamer):
         if self.start is None:
             self.start = now
             self._rows = value.shape[0] if value.dim() == 2 else 1
+            if self.progress is not None and not getattr(self.progress, "disable", False):
+                # the bar shows the prefill until the first token
+                self.prefill = PrefillProgress(self.progress, value.numel())  # all rows' prompt tokens
             return
         if self.first is None:
             self.first = now
+            self.close()
         if self.progress is not None:
-            # Stock puts [B] (one token per row); MagicDec puts row 0's [k] new tokens.
-            self.progress.update(1 if (self._rows > 1 and value.numel() == self._rows) else value.numel())
+            # Stock puts [B] (one token per row); MagicDec puts a row's [k] new tokens (after row 0
+            # finishes, the next live row's: capped at the bar's total).
+            step = 1 if (self._rows > 1 and value.numel() == self._rows) else value.numel()
+            total = getattr(self.progress, "total", None)
+            if total is not None:
+                step = max(0, min(step, int(total) - int(self.progress.n)))
+            if step:
+                self.progress.update(step)
 
     def end(self) -> None:
         self.stop = time.perf_counter()
+        self.close()
+
+    def close(self) -> None:
+        """Remove the prefill hooks, if any (also after a failed ``generate``)."""
+        if self.prefill is not None:
+            self.prefill.close()
+            self.prefill = None
 
 
 def _release_freed_memory() -> None:
@@ -148,10 +235,13 @@ def measure(run: Callable[[Clock], Any], repeats: int, device: torch.device, pro
         clock = Clock(bar)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
-        with PeakMemory(device) as mem:
-            out = run(clock)
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
+        try:
+            with PeakMemory(device) as mem:
+                out = run(clock)
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
+        finally:
+            clock.close()
         end = time.perf_counter()
         if bar is not None:
             bar.close()

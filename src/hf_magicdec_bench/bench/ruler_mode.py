@@ -3,8 +3,11 @@
 For each task and context length, ``--ruler-samples`` samples (one batch, left-padded: their
 lengths differ) are generated greedily by stock ``generate`` and by each MagicDec configuration,
 with EOS honoured and RULER's per-task answer length. Reported: task accuracy (RULER string
-match) for both, which must be equal under greedy decoding, acceptance rate (retrieval-heavy
+match, computed by the bundled ``evaluate`` metric through :func:`hf_magicdec_bench.ruler.score`)
+for both, which must be equal under greedy decoding, acceptance rate (retrieval-heavy
 inputs are where static draft views lose tokens), tokens per step, decode speedup, identity.
+Tasks go by RULER's own names (``niah_single_1`` ... ``qa_2``) or by our task families
+(``niah_single`` ...); see :func:`hf_magicdec_bench.ruler.resolve_task`.
 """
 
 from __future__ import annotations
@@ -50,13 +53,16 @@ def run_ruler(spec, tasks: list[str], num_samples: int, seed: int = 0, progress:
                              else f"magicdec {cfg.draft}/{cfg.draft_budget} γ={cfg.gamma}")
                     bar.set_postfix_str(f"{task} S={context} {label}")
                     extra = {} if cfg is None else {"speculative": cfg, "return_dict_in_generate": True}
+                    bar_factory = ((lambda label=label: tqdm(total=new_tokens, desc=f"  {label}", unit="tok",
+                                                             leave=False)) if progress else None)
                     m = measure(lambda clock: model.generate(**enc, max_new_tokens=new_tokens, do_sample=False,
                                                              streamer=clock, pad_token_id=tokenizer.pad_token_id,
-                                                             **extra), spec.repeats, device)
+                                                             **extra), spec.repeats, device, bar_factory)
                     preds = tokenizer.batch_decode(m.sequences[:, prompt:], skip_special_tokens=True)
                     row = {
                         "task": task, "context": context, "samples": len(samples), "method": label,
-                        "accuracy": ruler.score(task, preds, refs), "prefill_s": m.prefill_s,
+                        "accuracy": ruler.score(task, preds, refs), "metric": f"string_match_{ruler.metric_mode(task)}",
+                        "prefill_s": m.prefill_s,
                         "decode_s": m.decode_s, "identical": None, "predictions": preds, "references": refs,
                         "model": spec.model, "dtype": spec.dtype, "env": env,
                     }

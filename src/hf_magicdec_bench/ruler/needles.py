@@ -42,7 +42,7 @@ def _niah(opts: dict[str, Any], haystack: str, word_lists: Callable[[], WordList
         template = (template.replace("Some", "A").replace("are all", "is").replace("are", "is")
                     .replace("answers", "answer"))
         type_name = type_v[:-1]
-    words = None if haystack == "noise" else _haystack_words(haystack)
+    words = None if haystack in ("noise", "needle") else _haystack_words(haystack)
 
     def build(rng: random.Random, size: int) -> tuple[str, list[str]]:
         keys = _distinct(rng, num_k, lambda r: _random_value(r, type_k, adjs, nouns))
@@ -50,7 +50,17 @@ def _niah(opts: dict[str, Any], haystack: str, word_lists: Callable[[], WordList
         needles = [_NEEDLE.format(type_needle_v=type_v, key=k, value=v)
                    for k, vs in zip(keys, values) for v in vs]
         rng.shuffle(needles)
-        if words is None:
+        if haystack == "needle":  # RULER's "needle" haystack: every filler line is a distractor needle
+            sentences = []
+            while len(sentences) < size:
+                key = _random_value(rng, type_k, adjs, nouns)
+                if key not in keys:  # a distractor never answers the question
+                    value = _random_value(rng, type_v, adjs, nouns)
+                    sentences.append(_NEEDLE.format(type_needle_v=type_v, key=key, value=value))
+            for index, needle in zip(sorted(rng.sample(range(size), len(needles)), reverse=True), needles):
+                sentences.insert(index, needle)
+            context = "\n".join(sentences)
+        elif words is None:
             sentences = [_NOISE] * size
             for index, needle in zip(sorted(rng.sample(range(size), len(needles)), reverse=True), needles):
                 sentences.insert(index, needle)
@@ -71,6 +81,8 @@ def _niah(opts: dict[str, Any], haystack: str, word_lists: Callable[[], WordList
         query = ", ".join(queries[:-1]) + ", and " + queries[-1] if len(queries) > 1 else queries[0]
         return template.format(type_needle_v=type_name, context=context, query=query), answers
 
+    if haystack == "needle":  # distractor lines of ~18 tokens (uuids: ~40)
+        return build, num_k * num_v, None, 40.0 if "uuids" in (type_k, type_v) else 18.0
     if words is None:  # noise lines of ~22 tokens; every needle needs a slot
         return build, num_k * num_v, None, 22.0
     return build, 1, len(words), 1.4

