@@ -292,9 +292,10 @@ def test_invalid_settings_raise(llama, batch, kwargs, error, match, monkeypatch)
     assert not calls, "a forward ran before the error"
 
 
-def test_assistant_model_refused(llama, batch):
+def test_assistant_model_is_taken_as_draft_model(llama, batch):
+    """assistant_model= names the draft model (tests/test_cache_reuse.py runs one); the target itself is refused as such."""
     ids, mask = batch
-    with pytest.raises(ValueError, match="assistant_model"):
+    with pytest.raises(ValueError, match="draft_model is the target model itself"):
         _gen(llama, ids, mask, speculative="magicdec", assistant_model=llama)
 
 

@@ -17,9 +17,10 @@ from typing import Any
 
 from transformers.generation.utils import GenerationMixin
 
+from .compat import check_transformers
 from .config import MagicDecConfig
 from .api import generate as engine
-from .engine.validation import check_route_kwargs
+from .engine.validation import check_route_kwargs, take_assistant_model
 
 _original_generate = None
 # prefill_chunk_size is also a GenerationConfig field, which takes precedence: left to generate.
@@ -44,12 +45,17 @@ def enable() -> None:
     global _original_generate
     if is_enabled():
         return
+    check_transformers()  # the internals the routing and the engine rely on, else the supported range
     original = GenerationMixin.generate
     _original_generate = original
     signature = inspect.signature(original)
 
     @functools.wraps(original)
     def generate(self, *args, **kwargs):
+        if isinstance(kwargs.get("custom_generate"), (str, os.PathLike)):
+            # A Hub / local repository's custom_generate/generate.py (hf-magicdec export-hub) reads
+            # speculative= itself; transformers loads and calls it.
+            return original(self, *args, **kwargs)
         spec = _requested(self, args, kwargs, signature)
         if spec in _OFF:
             kwargs.pop("speculative", None)
@@ -88,6 +94,7 @@ def _route(model, original, signature, spec, args, kwargs):
     custom = call.get("custom_generate")
     if custom is not None and custom is not engine:
         raise ValueError(f"speculative={spec!r} cannot be combined with custom_generate={custom!r}.")
+    take_assistant_model(call)  # assistant_model= is the draft model, as in assisted generation
     check_route_kwargs(call)
     options = {name: call.pop(name) for name in _option_names() if name in call}
     # Validated here, before HF prepares anything or the model runs.

@@ -42,9 +42,14 @@ def _reads_and_steps(model, max_new_tokens: int, **options):
     return counts["n"], out.speculation.steps, out
 
 
-def test_one_host_read_per_step():
+def test_one_host_read_per_step(monkeypatch):
+    import hf_magicdec.api
+
     model = make_model("llama-gqa3")
     options = dict(draft="streamingllm", draft_budget=12, sink_tokens=2, gamma=3)
+    # Without the cache hand-back (once per generation, counted below), so that the difference
+    # between a short and a long run is the per-step reads alone.
+    monkeypatch.setattr(hf_magicdec.api, "outlives_call", lambda cache, gen: False)
     short_reads, short_steps, _ = _reads_and_steps(model, 20, **options)
     long_reads, long_steps, out = _reads_and_steps(model, 60, **options)
     assert long_steps > short_steps + 5
@@ -54,3 +59,23 @@ def test_one_host_read_per_step():
     # Statistics are complete although they were read once, at the end.
     assert sum(len(a) for a in out.speculation.accepted_lengths) > long_steps  # several rows per step
     assert all(len(a) == len(g) for a, g in zip(out.speculation.accepted_lengths, out.speculation.row_gammas))
+
+
+def test_returning_the_cache_costs_reads_per_generation_not_per_step():
+    """Handing the cache back (return_dict_in_generate) reads the device a bounded number of
+    times: when rows leave the batch and once at the end (the tail forward of rows that ended
+    early included), whatever the number of steps."""
+    import hf_magicdec.api
+
+    model = make_model("llama-gqa3")
+    options = dict(draft="streamingllm", draft_budget=12, sink_tokens=2, gamma=3)
+    with_cache, steps, out = _reads_and_steps(model, 60, **options)
+    assert out.past_key_values is not None
+    original = hf_magicdec.api.outlives_call
+    hf_magicdec.api.outlives_call = lambda cache, gen: False
+    try:
+        without, same_steps, _ = _reads_and_steps(model, 60, **options)
+    finally:
+        hf_magicdec.api.outlives_call = original
+    assert same_steps == steps
+    assert 0 <= with_cache - without <= 4 + 4 * 2, (with_cache, without)  # 4 rows

@@ -131,7 +131,9 @@ def test_fsdp_synced_gpus_matches_single_process(fsdp_results, saved_model, case
     alone = [reference["forwards"] for reference in references]
     assert min(alone) < per_rank[0]["forwards"], "test setup: one rank should have idled"
     if settings["gamma"] != "auto":
-        assert per_rank[0]["forwards"] == max(alone)
+        # Plus at most the returned cache's one tail forward (rows that ended early, computed as
+        # stock holds their pad tokens), which every rank runs together when any rank needs it.
+        assert max(alone) <= per_rank[0]["forwards"] <= max(alone) + 1
 
 
 # ---------------------------------------------------------------- single process

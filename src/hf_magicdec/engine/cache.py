@@ -118,6 +118,9 @@ class MagicDecCache(Cache):
         self.pad = pad_lengths.long()  # [B]
         self.lengths = torch.zeros_like(self.pad)  # [B] committed slots
         self._max_len = 0  # host mirror of lengths.max()
+        # Prefill leaves slots below this untouched: they hold a continued cache's KV as the user
+        # gave it, and prefill re-runs their last tokens only to record SnapKV's observation queries.
+        self.frozen_slots = 0
         self._mode: str | None = None
         self._start = 0  # prefill write offset (uniform: padding is on the left)
         self._q = 0
@@ -293,8 +296,9 @@ class MagicDecCache(Cache):
             return layer.draft_keys[:, :, :end], layer.draft_values[:, :, :end]
         if mode == _PREFILL:
             end = self._start + self._q
-            layer.keys[:, :, self._start : end] = key_states
-            layer.values[:, :, self._start : end] = value_states
+            start = min(max(self._start, self.frozen_slots), end)
+            layer.keys[:, :, start:end] = key_states[:, :, start - self._start :]
+            layer.values[:, :, start:end] = value_states[:, :, start - self._start :]
             return layer.keys[:, :, :end], layer.values[:, :, :end]
         raise RuntimeError(
             "MagicDecCache.update() called outside a MagicDec step; this cache is driven by hf_magicdec's engine."
@@ -319,6 +323,31 @@ class MagicDecCache(Cache):
             self.view.refill(self, layer_idx, query, scaling)
         elif self._mode == _VERIFY and self.refresher is not None:
             self.refresher.record(self, layer_idx, query, scaling)
+
+    # ------------------------------------------------------------------ continued / returned KV
+    def load_prefix(self, layer_idx: int, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Start layer ``layer_idx`` from a cache's KV ``keys / values [B, Hkv, n, D]`` (slots
+        ``[0, n)`` of every row, left padding included): allocated on their device and copied, so
+        the caller may drop its own. Prefill then continues at slot ``n`` (:attr:`frozen_slots`)."""
+        layer = self.layers[layer_idx]
+        layer.lazy_initialization(keys, values)
+        n = keys.shape[2]
+        layer.keys[:, :, :n] = keys
+        layer.values[:, :, :n] = values
+        self.frozen_slots = n
+
+    def export_rows(self, rows: torch.Tensor) -> tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]:
+        """Copies of the committed KV of working rows ``rows [k]``: ``(lengths [k], per layer
+        (keys, values) [k, Hkv, max(lengths), D])``; slots past a row's length are not its KV."""
+        rows = rows.to(self.lengths.device)
+        lengths = self.lengths.index_select(0, rows)
+        filled = int(lengths.max()) if rows.numel() else 0
+        on = per_device(rows)
+        kv = []
+        for layer in self.layers:
+            (r,) = on(layer.keys.device)
+            kv.append((layer.keys[:, :, :filled].index_select(0, r), layer.values[:, :, :filled].index_select(0, r)))
+        return lengths, kv
 
     # ------------------------------------------------------------------ draft views
     def build_draft_views(self, view: DraftView, config: "MagicDecConfig", prompt_slots: int, max_new_tokens: int,

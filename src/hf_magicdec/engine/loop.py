@@ -24,6 +24,7 @@ import torch
 
 from ..parallel.lockstep import LOCAL, Lockstep
 from .buffers import initial_capacity
+from .continuation import Continuation, LayerKV, committed_kv, fill_tails
 from .drafters import Drafter, new_cache
 from .hooks import FixedGamma, Observer, profile_sync
 from .ragged import RaggedBatch
@@ -73,14 +74,23 @@ class Engine:
         pad = generation_config._pad_token_tensor
         self.pad_id = int(pad.item()) if pad is not None else 0  # fill of unused slots and of rows' ends
         self.cache = None
+        self.past = Continuation(None)
+        self._final: _Rows | None = None
+        self._pad: torch.Tensor | None = None  # [B] left padding of every original row
+        self._finished_kv: list = []  # (rows, lengths, kv) of rows that left the batch, kept for the hand-back
 
     def run(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
-            position_ids: torch.Tensor | None) -> torch.Tensor:
+            position_ids: torch.Tensor | None, past: Continuation | None = None) -> torch.Tensor:
         """Generate from left-padded ``input_ids [B, P]``; returns ``[B, P + T]`` right-padded with
-        the pad token after each row's end."""
+        the pad token after each row's end.
+
+        ``past``: the cache ``generate`` received: its first ``past.length`` slots are the KV of
+        ``input_ids[:, :past.length]`` (only the rest is prefilled), and with ``past.keep`` the
+        committed KV of every row is kept for :meth:`returned_kv`."""
+        self.past = past if past is not None else Continuation(None)
         batch, prompt = input_ids.shape
         max_new = max(self.gen.max_length - prompt, 0)
-        pad = left_padding(attention_mask, batch, input_ids.device)
+        pad = self._pad = left_padding(attention_mask, batch, input_ids.device)
         if position_ids is None:
             position_ids = (torch.arange(prompt, device=input_ids.device)[None, :] - pad[:, None]).clamp(min=0)
         eos = self.gen._eos_token_tensor
@@ -92,6 +102,7 @@ class Engine:
                   RaggedBatch(input_ids, capacity, self.processors, self.criteria, self.pad_id),
                   torch.zeros(batch, dtype=torch.bool, device=input_ids.device))
         self.observers.on_prompt(input_ids)
+        self._final = b
         if max_new == 0:
             self.lockstep.sit_out(self.gamma.gamma, self.gamma.controller, self.drafter.on_target)
             self.observers.on_end()
@@ -136,6 +147,8 @@ class Engine:
         """Build ``self.cache`` (``capacity`` slots per row, growing up to ``max_capacity``) and
         fill it with the prompts; returns the last logits ``[B, 1, V]``."""
         observe = self.drafter.observation_window()
+        if self.past.length:
+            return self._continue(input_ids, position_ids, pad, capacity, max_capacity, observe)
         self.lockstep.plan_forwards(-(-input_ids.shape[1] // self.chunk))
         found = stored_prefill(input_ids, position_ids, pad, self.chunk, capacity, observe)
         if found is not None:
@@ -145,9 +158,25 @@ class Engine:
             self.cache = new_cache(self.call.model, pad, capacity, observe, self.gen.max_length)
             logits = prefill(self.call, self.cache, input_ids, position_ids, self.chunk)
             store_prefill(input_ids, position_ids, pad, self.chunk, observe, self.cache, logits)
+        self._finish_cache(max_capacity)
+        return logits
+
+    def _continue(self, input_ids, position_ids, pad, capacity: int, max_capacity: int, observe: int):
+        """:meth:`_prefill` from a cache holding the first ``past.length`` tokens: its KV moves into
+        the new cache and only the suffix is prefilled, from a few cached tokens earlier when
+        SnapKV needs the last ``observe`` prompt queries (their cached KV is kept as given)."""
+        cached = self.past.length
+        self.cache = new_cache(self.call.model, pad, capacity, observe, self.gen.max_length)
+        self.past.adopt(self.cache)
+        first = min(cached, max(input_ids.shape[1] - observe, 0)) if observe else cached
+        self.lockstep.plan_forwards(-(-(input_ids.shape[1] - first) // self.chunk))
+        logits = prefill(self.call, self.cache, input_ids, position_ids, self.chunk, first=first)
+        self._finish_cache(max_capacity)
+        return logits
+
+    def _finish_cache(self, max_capacity: int) -> None:
         self.cache.max_capacity = max(self.cache.capacity, max_capacity)
         self.cache.fixed_shapes = self.call.compiled is not None  # compiled steps: same shapes every step
-        return logits
 
     def _choose(self, b: _Rows, logits: torch.Tensor):
         """The first token of every row from its last prompt logits ``[B, 1, V]``."""
@@ -169,6 +198,9 @@ class Engine:
         if alive == b.rows.shape[0] or (self.call.compiled is not None and 2 * alive > b.rows.shape[0]):
             b.dead = finished
             return
+        if self.past.keep:  # their KV leaves the working cache now: keep it for the hand-back
+            gone = finished.nonzero().squeeze(1)
+            self._finished_kv.append((b.rows[gone], *self.cache.export_rows(gone)))
         keep_idx = torch.argsort(finished.to(torch.int8), stable=True)[:alive]  # alive rows, in order; no sync
         b.rows, b.dead = b.rows[keep_idx], b.dead.new_zeros(alive)
         self.cache.select_rows(keep_idx, longest_alive)
@@ -198,6 +230,19 @@ class Engine:
             probs.append(p)
             tok = d[:, None]
         return torch.stack(drafts, dim=1), (torch.stack(probs, dim=1) if self.do_sample else None)
+
+    def returned_kv(self, sequences: torch.Tensor) -> LayerKV | None:
+        """The KV stock ``generate`` would hold after returning ``sequences [B, S + 1]``: per layer
+        ``(keys, values) [B, Hkv, S, D]``, every token but the last of each row, rows that ended
+        early continued with the KV of their pad tokens as stock computes it. None when nothing
+        was prefilled (no new token). Spends the working cache; only with ``past.keep``."""
+        if self.cache is None:
+            return None
+        kv, filled = committed_kv(self.cache, self._final.rows, self._finished_kv, sequences.shape[0],
+                                  sequences.shape[1] - 1)
+        self._finished_kv = []
+        fill_tails(self.call.model, kv, filled, sequences, self._pad, self.lockstep)
+        return kv
 
     def _sequences(self, b: _Rows) -> torch.Tensor:
         total = int(b.seq_len.max())

@@ -90,14 +90,15 @@ class ModelCall:
 
 
 def prefill(call: ModelCall, cache: MagicDecCache, input_ids: torch.Tensor, position_ids: torch.Tensor,
-            chunk: int) -> torch.Tensor:
-    """Fill the empty ``cache`` with the left-padded prompts ``input_ids [B, P]`` in chunks of
-    ``chunk`` tokens; returns the last logits ``[B, 1, V]``."""
+            chunk: int, first: int = 0) -> torch.Tensor:
+    """Fill the ``cache`` with the left-padded prompts ``input_ids [B, P]`` from slot ``first`` on
+    (slots before it already hold the prompt's KV: a continued cache) in chunks of ``chunk``
+    tokens; returns the last logits ``[B, 1, V]``."""
     prompt = input_ids.shape[1]
     pad = cache.pad
     slot = torch.arange(prompt, device=input_ids.device)
     logits = None
-    for start in range(0, prompt, chunk):
+    for start in range(first, prompt, chunk):
         end = min(prompt, start + chunk)
         cache.begin_prefill(start, end - start)
         q_slot = slot[start:end]

@@ -102,25 +102,31 @@ def check_generation_config(generation_config) -> None:
 
 
 def check_model_kwargs(model_kwargs: dict[str, Any]) -> dict[str, Any]:
-    """Keep the kwargs the engine honours; refuse the ones it would silently ignore."""
+    """Keep the kwargs the engine honours; refuse the ones it would silently ignore. A non-empty
+    ``past_key_values`` is continued from (checked by :func:`hf_magicdec.engine.continuation.check_cache`)."""
     unknown = sorted(k for k, v in model_kwargs.items() if v is not None and k not in _KNOWN_MODEL_KWARGS)
     if unknown:
         raise NotImplementedError(f"speculative='magicdec' does not support these generate inputs: {unknown}.")
-    cache = model_kwargs.get("past_key_values")
-    if cache is not None and hasattr(cache, "get_seq_length") and cache.get_seq_length() > 0:
-        raise NotImplementedError(
-            "speculative='magicdec' builds its own cache and cannot continue from a non-empty past_key_values."
-        )
     return model_kwargs
+
+
+def take_assistant_model(kwargs: dict[str, Any]) -> None:
+    """``assistant_model=`` names the draft model, as in HF's assisted generation: move it to
+    ``draft_model`` (MagicDec drafts with it at any batch size). Refuses two different models."""
+    assistant = kwargs.pop("assistant_model", None)
+    if assistant is None:
+        return
+    draft = kwargs.get("draft_model")
+    if draft is not None and draft is not assistant:
+        raise ValueError(
+            "speculative='magicdec' got both assistant_model= and draft_model=, and they differ: both name the "
+            "draft model; pass one of them."
+        )
+    kwargs["draft_model"] = assistant
 
 
 def check_route_kwargs(kwargs: dict[str, Any]) -> None:
     """Checks on raw ``generate`` kwargs that HF would drop before the engine sees them."""
-    if kwargs.get("assistant_model") is not None:
-        raise ValueError(
-            "speculative='magicdec' does not take assistant_model: it drafts with the model itself, or with a separate "
-            "small model passed as draft_model= (any batch size)."
-        )
     if kwargs.get("prompt_lookup_num_tokens"):
         raise ValueError(
             f"speculative='magicdec' cannot be combined with {kwargs['prompt_lookup_num_tokens']=} (prompt lookup)."
