@@ -186,3 +186,35 @@ def test_gpu_check_script_runs_on_cpu(tmp_path):
     assert report["verdict"]["correctness"] is True
     assert {r["path"] for r in report["kernel"]} == {"triton", "torch_twin", "stock_sdpa"}
     assert {r["model"] for r in report["model"]} == {"llama-3.1-8b", "qwen2.5-7b"}
+
+
+def test_kernels_are_custom_ops_that_compile_without_graph_breaks():
+    """Both kernels are ``torch.library.triton_op`` operators: a ``fullgraph=True`` compile traces
+    them as ``hf_magicdec::`` ops (no graph break) and computes what eager computes."""
+    import torch._dynamo
+
+    gen = torch.Generator().manual_seed(3)
+    query = torch.randn(2, 6, 3, 64, generator=gen)
+    key = torch.randn(2, 2, 40, 64, generator=gen)
+    value = torch.randn(2, 2, 40, 64, generator=gen)
+    segments = _segments("verify", 2, 3, 40, gen)
+    window = torch.randn(2, 6, 4, 64, generator=gen)
+    pad = torch.tensor([0, 3])
+
+    def both(q, k, v, w):
+        return tk.segment_attention(q, k, v, segments, 0.125), tk.snapkv_mass(w, k, pad, 0.125)
+
+    seen = []
+
+    def backend(graph, inputs):
+        seen.append(graph)
+        return graph.forward
+
+    torch._dynamo.reset()
+    compiled = torch.compile(both, backend=backend, fullgraph=True)
+    got = compiled(query, key, value, window)
+    want = both(query, key, value, window)
+    torch.testing.assert_close(got[0], want[0])
+    torch.testing.assert_close(got[1], want[1])
+    code = "\n".join(g.code for g in seen)
+    assert len(seen) == 1 and "hf_magicdec.segment_attention" in code and "hf_magicdec.snapkv_mass" in code

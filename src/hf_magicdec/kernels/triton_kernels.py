@@ -16,6 +16,12 @@ Segment attention (flash-decoding layout):
 SnapKV scoring runs in two passes over the prompt keys (softmax statistics per window query,
 then the probability mass per key summed over the window and the query heads of each KV head),
 so it never holds the ``[B, H, w, S]`` attention matrix.
+
+Both entry points are registered as PyTorch custom operators with ``torch.library.triton_op``
+(``torch.ops.hf_magicdec.segment_attention`` / ``snapkv_mass``), their kernels launched through
+``wrap_triton``, with explicit fake implementations (output shapes): ``torch.compile`` traces
+them as single operators without a graph break, so a compiled draft or verify step keeps the
+Triton attention (and CUDA graphs capture its launches).
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ import os
 import torch
 import triton
 import triton.language as tl
+from torch.library import triton_op, wrap_triton
 
 # Triton's interpreter (TRITON_INTERPRET=1, the CPU tests) computes bf16 `tl.dot` wrongly (3.9):
 # there, half-precision tiles are multiplied in fp32; on GPUs they go to the tensor cores.
@@ -207,10 +214,19 @@ def default_splits(programs: int, kv_len: int, block_n: int, device: torch.devic
 def segment_attention(query, key, value, segments, scaling: float, softcap: float | None = None,
                       sinks: torch.Tensor | None = None, num_splits: int | None = None) -> torch.Tensor:
     """Triton twin of :func:`hf_magicdec.kernels.reference.segment_attention` (same contract,
-    soft-capping and sinks included).
+    soft-capping and sinks included), through the ``hf_magicdec::segment_attention`` operator.
 
     ``num_splits`` overrides the key-axis split count (tests use it to hit both code paths).
     """
+    seg = segments.to(query.device)
+    return torch.ops.hf_magicdec.segment_attention(query, key, value, seg.lo1, seg.hi1, seg.lo2, seg.hi2,
+                                                   float(scaling), softcap, sinks, num_splits or 0)
+
+
+@triton_op("hf_magicdec::segment_attention", mutates_args={})
+def _segment_attention_op(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, lo1: torch.Tensor,
+                          hi1: torch.Tensor, lo2: torch.Tensor, hi2: torch.Tensor, scaling: float,
+                          softcap: float | None, sinks: torch.Tensor | None, num_splits: int) -> torch.Tensor:
     batch, heads, q_len, head_dim = query.shape
     kv_heads, kv_len, head_dv = key.shape[1], key.shape[2], value.shape[-1]
     group = heads // kv_heads
@@ -227,11 +243,10 @@ def segment_attention(query, key, value, segments, scaling: float, softcap: floa
         part_l = torch.empty_like(part_m)
     else:
         part_o = part_m = part_l = out  # unused
-    seg = segments.to(query.device)
     sink_ptr = sinks.to(device=query.device, dtype=torch.float32).contiguous() if sinks is not None else out
-    _segment_attention_kernel[(programs, splits)](
+    wrap_triton(_segment_attention_kernel)[(programs, splits)](
         query, key, value, out, part_o, part_m, part_l, sink_ptr,
-        seg.lo1, seg.hi1, seg.lo2, seg.hi2,
+        lo1, hi1, lo2, hi2,
         *query.stride(), *key.stride(), *value.stride(), *out.stride(),
         kv_heads, kv_len, keys_per_split, float(scaling), float(softcap or 1.0),
         Q_LEN=q_len, GROUP=group, HEAD_D=head_dim, HEAD_DV=head_dv,
@@ -240,7 +255,7 @@ def segment_attention(query, key, value, segments, scaling: float, softcap: floa
         SOFTCAP=softcap is not None, HAS_SINKS=sinks is not None,
     )
     if splits > 1:
-        _merge_splits_kernel[(programs,)](
+        wrap_triton(_merge_splits_kernel)[(programs,)](
             part_o, part_m, part_l, out, sink_ptr, *out.stride(), kv_heads,
             Q_LEN=q_len, GROUP=group, HEAD_DV=head_dv, BLOCK_M=block_m, BLOCK_DV=block_dv, NUM_SPLITS=splits,
             HAS_SINKS=sinks is not None,
@@ -342,7 +357,13 @@ def _snapkv_mass_kernel(
 
 
 def snapkv_mass(queries, keys, pad, scaling: float) -> torch.Tensor:
-    """Triton twin of :func:`hf_magicdec.kernels.reference.snapkv_mass` (same contract)."""
+    """Triton twin of :func:`hf_magicdec.kernels.reference.snapkv_mass` (same contract), through
+    the ``hf_magicdec::snapkv_mass`` operator."""
+    return torch.ops.hf_magicdec.snapkv_mass(queries, keys, pad.to(keys.device, torch.int32), float(scaling))
+
+
+@triton_op("hf_magicdec::snapkv_mass", mutates_args={})
+def _snapkv_mass_op(queries: torch.Tensor, keys: torch.Tensor, pad: torch.Tensor, scaling: float) -> torch.Tensor:
     batch, heads, window, head_dim = queries.shape
     kv_heads, slots = keys.shape[1], keys.shape[2]
     group = heads // kv_heads
@@ -355,10 +376,23 @@ def snapkv_mass(queries, keys, pad, scaling: float) -> torch.Tensor:
     block_m, block_n, block_d = 64, 64, _pow2(head_dim)
     strides = (*queries.stride(), *keys.stride())
     meta = dict(WINDOW=window, GROUP=group, HEAD_D=head_dim, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d)
-    _snapkv_stats_kernel[(batch * kv_heads, triton.cdiv(rows, block_m))](
+    wrap_triton(_snapkv_stats_kernel)[(batch * kv_heads, triton.cdiv(rows, block_m))](
         queries, keys, pad, stats_m, stats_l, *strides, kv_heads, slots, float(scaling), **meta
     )
-    _snapkv_mass_kernel[(batch * kv_heads, triton.cdiv(slots, block_n))](
+    wrap_triton(_snapkv_mass_kernel)[(batch * kv_heads, triton.cdiv(slots, block_n))](
         queries, keys, pad, stats_m, stats_l, out, *strides, kv_heads, slots, float(scaling), **meta
     )
     return out
+
+
+# Output shapes for tracing (fake tensors): given explicitly, so tracing never runs a kernel body
+# (Triton's CPU interpreter would read the fake tensors' memory).
+@_segment_attention_op.register_fake
+def _(query, key, value, lo1, hi1, lo2, hi2, scaling, softcap, sinks, num_splits):
+    batch, heads, q_len, _ = query.shape
+    return query.new_empty((batch, q_len, heads, value.shape[-1]))
+
+
+@_snapkv_mass_op.register_fake
+def _(queries, keys, pad, scaling):
+    return keys.new_empty((keys.shape[0], keys.shape[1], keys.shape[2]), dtype=torch.float32)
