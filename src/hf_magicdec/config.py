@@ -27,6 +27,7 @@ from .defaults import (  # noqa: F401  (re-exported: part of this module's publi
     DEFAULT_PREFILL_CHUNK,
     DEFAULT_SINK_TOKENS,
     DEFAULT_WINDOW,
+    DRAFT_WEIGHT_FORMATS,
     MAX_GAMMA,
 )
 from .planner.hardware import get_hardware
@@ -130,6 +131,14 @@ class MagicDecConfig:
         ``True`` and ``"auto"`` use ``generation_config.compile_config`` when set, else
         ``CompileConfig()`` (inductor, ``mode="reduce-overhead"``: CUDA graphs on CUDA);
         ``generation_config.disable_compile=True`` turns ``"auto"`` off, as in stock ``generate``.
+    draft_weights : "auto", "full", "int8" or "int4"
+        Weights of the self-draft's forwards (``docs/draft_views.md``): ``"full"`` (the model's
+        own), ``"int8"`` / ``"int4"`` (quantized copies of its linear layers, LM head included,
+        made once per model and cached beside it; the model and every verification stay in full
+        precision, so only the acceptance can change), or ``"auto"`` (default): when the planner
+        chooses the view, budget or γ, it also picks the weights among the formats this device has
+        a kernel for (CPU: int8; CUDA with torchao: int8, int4); with all three explicit, or with
+        ``draft_model=``, the ``full`` sanity view or γ = 0, ``"auto"`` means ``"full"``.
     view_options : Mapping[str, Any]
         The draft views' options (see above; keywords are merged into it). Stored immutably.
 
@@ -159,6 +168,7 @@ class MagicDecConfig:
     refresh_every: int | None = None
     refresh_below: float | None = None
     compile: Any = AUTO
+    draft_weights: str = AUTO
     view_options: Mapping[str, Any] = field(default_factory=ViewOptions)
 
     def __post_init__(self) -> None:
@@ -211,6 +221,8 @@ class MagicDecConfig:
             object.__setattr__(self, "compile", CompileConfig(**self.compile))
         if not (isinstance(self.compile, CompileConfig) or self.compile in (AUTO, True, False)):
             raise ValueError(f"compile must be 'auto', True, False or a transformers.CompileConfig, got {self.compile!r}.")
+        if self.draft_weights not in DRAFT_WEIGHT_FORMATS:
+            raise ValueError(f"draft_weights must be one of {list(DRAFT_WEIGHT_FORMATS)}, got {self.draft_weights!r}.")
         # The views validate their options (an "auto" draft: every view that has some of them).
         if draft == AUTO:
             for name in names:

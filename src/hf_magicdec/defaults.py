@@ -17,3 +17,7 @@ DEFAULT_POOL_KERNEL = 5
 DEFAULT_PREFILL_CHUNK = 1024
 DEFAULT_MAX_GAMMA = 8
 MAX_GAMMA = 32
+
+#: ``MagicDecConfig.draft_weights``: the self-draft's linear layers in full precision, or quantized
+#: copies (``hf_magicdec.engine.draft_weights``); ``"auto"``: the planner chooses per call.
+DRAFT_WEIGHT_FORMATS = ("full", "int8", "int4", AUTO)

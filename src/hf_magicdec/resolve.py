@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from .config import AUTO, DEFAULT_BUDGET, DEFAULT_DRAFT, DEFAULT_GAMMA, MagicDecConfig
+from .engine.draft_weights import feasible_formats
 from .engine.steps import compile_config_for
 from .parallel.lockstep import with_tp_degree
 from .planner import default_acceptance, draft_step, get_hardware, target_step, verify_step
@@ -84,9 +85,12 @@ def record_acceptance(model, draft: str, budget: int, accepted: int, drafted: in
             memory.popitem(last=False)
 
 
-def draft_key(draft: str, draft_model=None) -> str:
-    """The name α is recorded and planned under: the view, or ``model:<draft model>:<view>``."""
-    return draft if draft_model is None else f"model:{_model_key(draft_model)}:{draft}"
+def draft_key(draft: str, draft_model=None, draft_weights: str = "full") -> str:
+    """The name α is recorded and planned under: the view (``<view>@int8`` for a self-draft on
+    quantized weights), or ``model:<draft model>:<view>``."""
+    if draft_model is not None:
+        return f"model:{_model_key(draft_model)}:{draft}"
+    return draft if draft_weights in ("full", AUTO) else f"{draft}@{draft_weights}"
 
 
 def observed_acceptance(model, draft: str, budget: int) -> float | None:
@@ -180,6 +184,10 @@ def resolve(config: MagicDecConfig, model, batch: int, prompt_len: int, new_toke
     may win (``Resolution.use_draft_model`` is then False). ``captured``: whether the call's steps
     run compiled (``generate`` decides it once); None: decided from ``config.compile`` and the
     model's generation config."""
+    if config.is_resolved and config.draft_weights == AUTO:
+        # View, budget and γ all explicit: the planner chooses nothing, so neither the weights
+        # (an explicit configuration decodes the same way on every call, seeded sampling included).
+        config = config.replace(draft_weights="full")
     if config.is_resolved and not config.adaptive:
         return Resolution(config)
 
@@ -207,6 +215,7 @@ def resolve(config: MagicDecConfig, model, batch: int, prompt_len: int, new_toke
         kwargs["gammas"] = (config.gamma,) if config.gamma > 0 else (1,)
     else:
         kwargs["gammas"] = tuple(range(1, config.max_gamma + 1))
+    kwargs["draft_weights"] = _weight_candidates(config, model, draft_model, captured)
     if draft_model is not None:
         kwargs["draft_model"] = ModelSpec.from_config(draft_model.config, dtype=draft_model.dtype)
         kwargs["self_speculation"] = config.planner_may_decline and config.draft == AUTO
@@ -221,10 +230,10 @@ def resolve(config: MagicDecConfig, model, batch: int, prompt_len: int, new_toke
     if p.draft is None:  # prompt shorter than every budget considered: the view keeps it whole
         chosen = {"draft": DEFAULT_DRAFT if config.draft == AUTO else config.draft,
                   "draft_budget": DEFAULT_BUDGET if config.draft_budget == AUTO else config.draft_budget,
-                  "gamma": DEFAULT_GAMMA if config.gamma == AUTO else config.gamma}
+                  "gamma": DEFAULT_GAMMA if config.gamma == AUTO else config.gamma, "draft_weights": "full"}
     else:
         chosen = {"draft": p.draft, "draft_budget": p.draft_budget,
-                  "gamma": p.gamma if config.gamma == AUTO else config.gamma}
+                  "gamma": p.gamma if config.gamma == AUTO else config.gamma, "draft_weights": p.draft_weights}
     changes = {k: v for k, v in chosen.items() if getattr(config, k) == AUTO}
     resolved = _first_valid(config, changes)
     if resolved is None:  # nothing fits the explicit fields (e.g. a budget too small for any γ)
@@ -236,13 +245,24 @@ def resolve(config: MagicDecConfig, model, batch: int, prompt_len: int, new_toke
     # Adaptive γ re-weighs γ each step with the same step-time model: T_D/T_T and T_V(γ)/T_T.
     context = max(int(p.context), 1)
     tt = target_step(spec, hardware, batch, context).seconds
-    drafter = kwargs["draft_model"] if use_draft_model else spec
+    drafter = kwargs["draft_model"] if use_draft_model else spec.with_weights(resolved.draft_weights)
     draft_ratio = draft_step(drafter, hardware, batch, context, resolved.draft_budget).seconds / tt
     draft_ratio += selection_seconds(drafter, hardware, batch, context, resolved.draft_budget,
                                      resolved.view) / tt  # query-aware views (dynamic)
     verify_ratio = {g: verify_step(spec, hardware, batch, context, g).seconds / tt
                     for g in range(1, config.max_gamma + 1)}
     return Resolution(resolved, p, draft_ratio, verify_ratio, use_draft_model)
+
+
+def _weight_candidates(config: MagicDecConfig, model, draft_model, captured: bool) -> tuple[str, ...]:
+    """Draft weights the planner weighs: the explicit one, or for ``"auto"`` full precision and the
+    quantized formats this model and device can run (self-drafting only; a CPU twin runs eagerly,
+    so not when the steps are captured)."""
+    if config.draft_weights != AUTO:
+        return (config.draft_weights,)
+    if draft_model is not None or config.draft == "full" or config.gamma == 0 or captured:
+        return ("full",)
+    return ("full", *feasible_formats(model, next(model.parameters()).device))
 
 
 def plan(model_or_config, *, batch_size: int, prompt_len: int, new_tokens: int, hardware=None, drafts=None,

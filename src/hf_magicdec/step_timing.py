@@ -25,7 +25,7 @@ import torch
 import transformers
 
 from .engine.cache import MagicDecCache
-from .config import MagicDecConfig
+from .config import AUTO, MagicDecConfig
 from .planner._checks import check_int
 from .planner.calibrate import (
     DEFAULT_BUDGETS,
@@ -37,11 +37,13 @@ from .planner.calibrate import (
     calibration_path,
     device_key,
     fit,
+    fit_quantized,
 )
 from .planner.hardware import HardwareSpec
 from .planner.modelspec import ModelSpec
 from .engine import attention
-from .engine.drafters import new_cache
+from .engine.draft_weights import check_draft_weights, draft_twin, feasible_formats
+from .engine.drafters import new_cache, twin_call
 from .engine.steps import ModelCall, draft_step, prefill, verify_step
 from .views import DraftView
 
@@ -110,6 +112,7 @@ def measure_steps(
     input_ids: Any = None,
     statistic: str = "median",
     compile_config: Any = None,
+    draft_weights: str = "full",
 ) -> StepTimes:
     """Time T_T, T_V(γ) and T_D(budget) with the engine's own forwards on one prefilled cache.
 
@@ -146,6 +149,10 @@ def measure_steps(
         ``generate`` (fixed-shape buffers; on CUDA the buffers' addresses are marked static, so
         ``mode="reduce-overhead"`` captures CUDA graphs). None: eager. The first (warm-up) round
         includes the compilation.
+    draft_weights : str
+        ``"int8"`` / ``"int4"``: also time the draft steps on the model's quantized twin
+        (:mod:`hf_magicdec.engine.draft_weights`; ``StepTimes.t_draft_quantized``), as
+        ``draft_weights=`` runs them. ``"full"``: the full-precision draft only.
 
     Returns
     -------
@@ -166,6 +173,9 @@ def measure_steps(
     if input_ids is not None and tuple(input_ids.shape) != (batch, context):
         raise ValueError(f"input_ids must have shape {(batch, context)}, got {tuple(input_ids.shape)}.")
     device = next(model.parameters()).device
+    quantized = draft_weights not in ("full", AUTO)
+    if quantized:
+        check_draft_weights(model, draft_weights, device)
     sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
     q_max = max(gammas) + 1
     # gamma=1 keeps every budget valid; the view's scratch size does not change step 0's cost.
@@ -178,6 +188,7 @@ def measure_steps(
     zeros = torch.zeros(batch, dtype=torch.long, device=device)
     with torch.no_grad(), attention.switched(model):
         call = ModelCall.of(model, compile_config)
+        twin = twin_call(draft_twin(model, draft_weights), compile_config) if quantized else None
         t0 = time.perf_counter()
         if input_ids is not None:
             positions = torch.arange(context, device=device)[None].expand(batch, -1)
@@ -204,6 +215,9 @@ def measure_steps(
         def draft() -> None:
             draft_step(call, cache, tokens[:, :1], 0)
 
+        def draft_quantized() -> None:
+            draft_step(twin, cache, tokens[:, :1], 0)
+
         built = [first]
 
         def use_view(k: int):
@@ -218,12 +232,16 @@ def measure_steps(
         jobs = {("target", 1): (None, lambda: verify(1), rollback)}
         jobs.update({("verify", g): (None, lambda g=g: verify(g + 1), rollback) for g in gammas})
         jobs.update({("draft", k): (use_view(k), draft, None) for k in budgets})
+        if quantized:
+            jobs.update({("draft_q", k): (use_view(k), draft_quantized, None) for k in budgets})
         # Compiled: one graph per budget and verify width, more than dynamo's default limit of 8.
         limit = torch._dynamo.config.patch(recompile_limit=64) if call.compiled is not None else contextlib.nullcontext()
         with limit:
             times = _time_rounds(jobs, repeats, sync, statistic)
     return StepTimes(batch, context, draft, times[("target", 1)], {g: times[("verify", g)] for g in gammas},
-                     {k: times[("draft", k)] for k in budgets}, prefill_seconds)
+                     {k: times[("draft", k)] for k in budgets}, prefill_seconds,
+                     draft_weights if quantized else "full",
+                     {k: times[("draft_q", k)] for k in budgets} if quantized else {})
 
 
 def _cpu_busy(interval: float = 0.25) -> float:
@@ -270,6 +288,7 @@ def calibrate(
     force: bool = False,
     cache_dir: str | os.PathLike | None = None,
     progress: Any = None,
+    draft_weights: Iterable[str] | None = None,
 ) -> Calibration:
     """Measure the model's step times on its device and fit the roofline to them.
 
@@ -304,6 +323,10 @@ def calibrate(
         Root of the cache (see :func:`hf_magicdec.planner.calibrate.cache_root`).
     progress : callable, optional
         Called with one line of text per measured point.
+    draft_weights : iterable of str, optional
+        Quantized draft formats whose draft steps are timed too, to fit their kernels' effective
+        rate (``Calibration.quantized_flops``, used when the planner weighs ``draft_weights``).
+        Default: every format the device has a kernel for and the model can use.
 
     Returns
     -------
@@ -335,26 +358,35 @@ def calibrate(
     t0 = time.perf_counter()
     # The first forwards of a process pay for allocator growth and thread-pool start-up.
     measure_steps(model, 1, 128, gammas=(1,), budgets=(64,), repeats=1)
+    formats = tuple(draft_weights) if draft_weights is not None else feasible_formats(model, param.device)
     best: dict[tuple, Measurement] = {}
     for _ in range(passes):
         for batch, context in points:
             usable = tuple(k for k in budgets if k < context) or (min(budgets),)
-            steps = measure_steps(model, batch, context, gammas=gammas, budgets=usable, repeats=repeats,
-                                  statistic=statistic)
-            for m in steps.measurements():
-                key = (m.kind, m.batch, m.query_tokens, m.kv_tokens, m.logit_tokens)
+            timed = [measure_steps(model, batch, context, gammas=gammas, budgets=usable, repeats=repeats,
+                                   statistic=statistic, draft_weights=formats[0] if formats else "full")]
+            timed += [measure_steps(model, batch, context, gammas=(1,), budgets=usable, repeats=repeats,
+                                    statistic=statistic, draft_weights=fmt) for fmt in formats[1:]]
+            steps = timed[0]
+            for m in (m for t in timed for m in t.measurements()):
+                key = (m.kind, m.batch, m.query_tokens, m.kv_tokens, m.logit_tokens, m.weights)
                 if key not in best or m.seconds < best[key].seconds:
                     best[key] = m
             if progress is not None:
                 progress(f"  B={batch:<3} S={context:<6} T_T={steps.t_target * 1e3:8.2f} ms  "
                          + "  ".join(f"T_V(g={g})={t * 1e3:.2f} ms" for g, t in steps.t_verify.items()) + "  "
-                         + "  ".join(f"T_D(K={k})={t * 1e3:.2f} ms" for k, t in steps.t_draft.items()))
+                         + "  ".join(f"T_D(K={k})={t * 1e3:.2f} ms" for k, t in steps.t_draft.items())
+                         + "".join(f"  T_D(K={k}, {t.draft_weights})={v * 1e3:.2f} ms"
+                                   for t in timed for k, v in t.t_draft_quantized.items()))
     measurements = list(best.values())
-    fitted = fit(spec, measurements, base, form=form)
+    full = [m for m in measurements if m.weights == "full"]
+    fitted = fit(spec, full, base, form=form)
+    quantized = fit_quantized(spec, measurements, fitted.hardware(base, spec.dtype))
     result = Calibration(
         model=name, spec=spec, device=device, dtype=spec.dtype, bandwidth=fitted.bandwidth, flops=fitted.flops,
         overhead=fitted.overhead, overlap=fitted.overlap, measurements=tuple(measurements),
-        rel_rms_error=fitted.rel_rms_error, outliers=fitted.outliers, wall_seconds=time.perf_counter() - t0,
+        rel_rms_error=fitted.rel_rms_error, outliers=tuple(measurements.index(full[i]) for i in fitted.outliers),
+        wall_seconds=time.perf_counter() - t0, quantized_flops=quantized,
         created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         versions={**_versions(), "cpu_busy_before": f"{busy_before:.2f}"},
     )

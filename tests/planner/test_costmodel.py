@@ -419,7 +419,8 @@ def test_plan_uses_the_views_geometry():
                        drafts=(wide,), budgets=(128, 256), gammas=(2,))
     assert p.draft_budget == 256 and {e.draft_budget for e in p.runner_ups} <= {256}
     assert p.draft_options == {"sink_tokens": 200}
-    assert MagicDecConfig.from_any(p) == hf_magicdec.MagicDecConfig(draft=wide, draft_budget=256, gamma=p.gamma)
+    assert MagicDecConfig.from_any(p) == hf_magicdec.MagicDecConfig(draft=wide, draft_budget=256, gamma=p.gamma,
+                                                                     draft_weights="full")
     assert json.dumps(p.to_dict())
     none = costmodel_plan(LLAMA, batch_size=64, prompt_len=32768, new_tokens=128, hardware="h100",
                           drafts=(wide,), budgets=(128, 200))
@@ -554,7 +555,8 @@ def test_calibrate_smoke_on_tiny_model(tmp_path):
     result = step_timing.calibrate(model, name="tiny", points=((1, 64), (2, 96)), gammas=(1, 3), budgets=(32,),
                            repeats=1, passes=1, cache_dir=tmp_path)
     assert result.bandwidth > 0 and result.flops > 0 and result.overhead >= 0
-    assert len(result.measurements) == 2 * 4
+    # Per point: T_T, T_V(1), T_V(3), T_D(32), and T_D(32) on the int8 draft twin (CPU's kernel).
+    assert len(result.measurements) == 2 * 5 and set(result.quantized_flops) == {"int8"}
     path = cal.calibration_path("tiny", result.spec, result.device, result.dtype, tmp_path)
     assert path.is_file()
     # Cached: the second call reads the file instead of measuring.

@@ -297,4 +297,4 @@ def test_cost_model_charges_dynamic_selection():
     only = plan(spec, batch_size=batch, prompt_len=context, new_tokens=128, hardware="h100",
                 drafts=(get_view("dynamic", page_size=32),))
     assert only.draft == "dynamic" and MagicDecConfig.from_any(only) == MagicDecConfig(
-        draft="dynamic", draft_budget=only.draft_budget, gamma=only.gamma, page_size=32)
+        draft="dynamic", draft_budget=only.draft_budget, gamma=only.gamma, page_size=32, draft_weights="full")

@@ -34,7 +34,7 @@ from .cache import MagicDecCache
 from .steps import ModelCall, draft_step, num_layers, prefill
 from .validation import check_model
 
-__all__ = ["Drafter", "ModelDrafter", "SelfDrafter", "check_draft_model", "new_cache"]
+__all__ = ["Drafter", "ModelDrafter", "SelfDrafter", "check_draft_model", "new_cache", "twin_call"]
 
 DraftStep = Callable[[int, torch.Tensor], torch.Tensor]
 
@@ -70,6 +70,15 @@ class Drafter(Protocol):
         """Keep only these working rows (``[b']`` indices into the current working batch)."""
 
 
+def twin_call(twin, compile_config) -> ModelCall | None:
+    """How the engine calls a draft twin (:func:`hf_magicdec.engine.draft_weights.draft_twin`), or
+    None without one. PyTorch's CPU int8 kernels are not traceable: a CPU twin stays eager."""
+    if twin is None:
+        return None
+    on_cpu = next(twin.module.parameters()).device.type == "cpu"
+    return ModelCall.of(twin.module, None if on_cpu else compile_config)
+
+
 def new_cache(model, pad: torch.Tensor, capacity: int, observe: int, position_limit: int | None) -> MagicDecCache:
     """An empty :class:`MagicDecCache` for ``model`` and prompts left-padded by ``pad [B]``,
     recording the last ``observe`` prompt queries; ``position_limit``: the largest position the
@@ -87,8 +96,11 @@ class SelfDrafter:
     model = None
     on_target = True
 
-    def __init__(self, call: ModelCall, view, config):
+    def __init__(self, call: ModelCall, view, config, draft_call: ModelCall | None = None):
+        # draft_call: the forwards of the draft steps (a quantized twin of the model,
+        # hf_magicdec.engine.draft_weights), or the target's own call.
         self.call, self.view, self.config = call, view, config
+        self.draft_call = draft_call if draft_call is not None else call
         self.cache: MagicDecCache | None = None
         self.refreshes = 0
 
@@ -101,7 +113,7 @@ class SelfDrafter:
             target.build_draft_views(self.view, self.config, input_ids.shape[1], max_new_tokens, scratch=scratch)
 
     def round(self, target, tokens, rows, seq_len, gamma) -> DraftStep:
-        call = self.call
+        call = self.draft_call
         return lambda i, tok: draft_step(call, target, tok, i)
 
     def commit(self, keep, accepted, gamma) -> None:

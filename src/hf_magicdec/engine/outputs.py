@@ -30,6 +30,12 @@ class SpeculationStats:
         Tokens per layer, row and KV head in the draft view (static + rolling window).
     draft_model : str or None
         The separate draft model that drafted (its name), or None for self-speculation.
+    draft_weights : str
+        Weights of the self-draft's forwards: ``"full"``, ``"int8"`` or ``"int4"``
+        (:mod:`hf_magicdec.engine.draft_weights`).
+    draft_weight_bytes : int
+        Bytes of the quantized copy of the linear layers the draft read (0 for ``"full"``): memory
+        held beside the model while it lives.
     steps : int
         Verification forwards run (the batch shrinks as rows finish).
     refreshes : int
@@ -48,6 +54,8 @@ class SpeculationStats:
     draft: str = ""
     draft_budget: int = 0
     draft_model: str | None = None
+    draft_weights: str = "full"
+    draft_weight_bytes: int = 0
     steps: int = 0
     prefill_seconds: float = 0.0
     decode_seconds: float = 0.0
@@ -101,6 +109,8 @@ class SpeculationStats:
             "draft": self.draft,
             "draft_budget": self.draft_budget,
             "draft_model": self.draft_model,
+            "draft_weights": self.draft_weights,
+            "draft_weight_bytes": self.draft_weight_bytes,
             "gamma": self.gamma,
             "adaptive_gamma": self.adaptive_gamma,
             "mean_gamma": round(self.mean_gamma, 3),
@@ -122,7 +132,11 @@ class MagicDecOutput(GenerateDecoderOnlyOutput):
 
     ``scores`` / ``logits`` hold one ``[B, V]`` tensor per generated position, as stock
     ``generate`` returns them; entries of a row after it finished are ``-inf`` (stock computes
-    them on padding tokens). ``past_key_values`` is ``None``: the ragged cache is not reusable.
+    them on padding tokens). ``past_key_values`` is a transformers cache laid out as stock
+    ``generate`` returns it (a ``DynamicCache``, or the ``StaticCache`` passed in): ``[B, Hkv,
+    S - 1, D]`` per layer for sequences of ``S`` tokens (every token but the last; rows that ended
+    early hold their pad tokens' KV after their end, as stock computes it; nothing of rejected
+    drafts), which stock ``generate`` and MagicDec both continue from (``docs/cache_reuse.md``).
     """
 
     speculation: SpeculationStats | None = None

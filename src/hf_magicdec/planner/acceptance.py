@@ -12,7 +12,7 @@ import math
 from typing import Any, Mapping
 
 __all__ = ["default_acceptance", "resolve_acceptance", "BASE_ACCEPTANCE", "DRAFT_MODEL_ACCEPTANCE",
-           "DRAFT_MODEL_PREFIX"]
+           "DRAFT_MODEL_PREFIX", "QUANTIZED_ACCEPTANCE_DROP", "WEIGHTS_SEPARATOR"]
 
 #: α at a budget of 256 tokens or more and a context of 4K tokens or less.
 BASE_ACCEPTANCE = {"streamingllm": 0.80, "snapkv": 0.85}
@@ -23,6 +23,13 @@ _OTHER = 0.80  # views without their own prior (user-registered ones)
 #: view's own prior / 0.99.
 DRAFT_MODEL_ACCEPTANCE = 0.70
 DRAFT_MODEL_PREFIX = "model:"
+#: A self-draft reading quantized copies of the linear layers (``"snapkv@int8"``) drafts from slightly
+#: perturbed logits. Prior drop of α against the full-weight draft: per-channel int8 keeps the logits
+#: within about 1e-2 relative, so near-ties flip rarely (SmolLM2-135M on Shakespeare: see
+#: docs/benchmarks.md); int4 (group-wise, weight-only) perturbs more. Replaced by the measured α
+#: after the first generation, as for every view.
+QUANTIZED_ACCEPTANCE_DROP = {"int8": 0.02, "int4": 0.06}
+WEIGHTS_SEPARATOR = "@"
 _REF_BUDGET = 256
 _REF_CONTEXT = 4096
 _PER_BUDGET_HALVING = 0.05
@@ -40,7 +47,9 @@ def default_acceptance(draft: str, budget: int, context: float) -> float:
     StreamingLLM at the same budget in MagicDec §4) and 0.80 for other views; ``K`` is the
     budget and ``S`` the context. So α is flat for budgets ≥ 256, loses 0.05 per halving below,
     and falls slowly with context. A view that holds the whole context (``K ≥ S``) or the
-    ``full`` sanity view sees everything: 0.99. A separate draft model (``draft="model:<view>"``)
+    ``full`` sanity view sees everything: 0.99. A self-draft on quantized weights
+    (``"<view>@int8"``, ``"<view>@int4"``) loses ``QUANTIZED_ACCEPTANCE_DROP`` (0.02, 0.06) from its
+    view's prior. A separate draft model (``draft="model:<view>"``)
     gets ``DRAFT_MODEL_ACCEPTANCE`` (0.70) times its view's prior / 0.99.
 
     Parameters
@@ -66,6 +75,10 @@ def default_acceptance(draft: str, budget: int, context: float) -> float:
         raise ValueError(f"budget must be > 0, got {budget=!r}.")
     if not context > 0:
         raise ValueError(f"context must be > 0, got {context=!r}.")
+    if WEIGHTS_SEPARATOR in draft:
+        view, fmt = draft.rsplit(WEIGHTS_SEPARATOR, 1)
+        alpha = default_acceptance(view, budget, context) - QUANTIZED_ACCEPTANCE_DROP.get(fmt, 0.0)
+        return min(_CEIL, max(_FLOOR, alpha))
     if draft.startswith(DRAFT_MODEL_PREFIX):
         view = draft[len(DRAFT_MODEL_PREFIX):]
         return DRAFT_MODEL_ACCEPTANCE * default_acceptance(view, budget, context) / _CEIL

@@ -53,6 +53,7 @@ from .modelspec import ModelSpec
 from .roofline import group_work
 
 __all__ = [
+    "fit_quantized",
     "Calibration",
     "Measurement",
     "StepTimes",
@@ -244,3 +245,32 @@ def fit(model: ModelSpec, measurements: Sequence[Measurement], base: HardwareSpe
                            max_iterations)
         result = dataclasses.replace(refit, outliers=tuple(sorted(bad)))
     return result
+
+
+def fit_quantized(model: ModelSpec, measurements: Sequence[Measurement], hardware: HardwareSpec) -> dict[str, float]:
+    """Effective FLOP/s of quantized linear layers per format, the other rates fixed.
+
+    ``hardware`` carries the rates fitted to the full-precision forwards; for each weight format
+    among ``measurements`` (``Measurement.weights``), one rate is chosen on a log grid from
+    0.1 GFLOP/s to 1 PFLOP/s (refined around the best point) to minimise the relative RMS error of
+    those forwards: the kernel's measured efficiency, where the roofline alone knows only its
+    bytes.
+
+    Returns
+    -------
+    dict
+        ``{format: FLOP/s}`` (empty when no quantized forward was measured).
+    """
+    out: dict[str, float] = {}
+    for fmt in sorted({m.weights for m in measurements} - {"full"}):
+        timed = [m for m in measurements if m.weights == fmt]
+
+        def error(rate: float) -> float:
+            hw = hardware.replace(peak_flops={**hardware.peak_flops, fmt: rate})
+            return _rms((m.predict(model, hw) - m.seconds) / m.seconds for m in timed)
+
+        grid = [10 ** (8 + i / 8) for i in range(57)]  # 1e8 … 1e15
+        best = min(grid, key=error)
+        fine = [best * 10 ** (i / 64) for i in range(-8, 9)]
+        out[fmt] = min(fine, key=error)
+    return out

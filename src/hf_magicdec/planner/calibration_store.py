@@ -59,6 +59,9 @@ class Measurement:
         The forward's shape, as in :func:`~hf_magicdec.planner.roofline.forward_cost`.
     seconds : float
         Wall time (median or minimum over repeats), seconds.
+    weights : str
+        The linear layers' weights in this forward: ``"full"``, or a quantized draft's format
+        (``"int8"``).
     """
 
     kind: str
@@ -67,10 +70,11 @@ class Measurement:
     kv_tokens: int
     logit_tokens: int
     seconds: float
+    weights: str = "full"
 
     def predict(self, model: ModelSpec, hardware: HardwareSpec) -> float:
         """Roofline prediction of this forward on ``hardware``, seconds."""
-        return forward_cost(model, hardware, batch=self.batch, query_tokens=self.query_tokens,
+        return forward_cost(model.with_weights(self.weights), hardware, batch=self.batch, query_tokens=self.query_tokens,
                             kv_tokens=self.kv_tokens, logit_tokens=self.logit_tokens).seconds
 
 
@@ -92,6 +96,10 @@ class StepTimes:
         T_D per budget: draft step 0 (view of ``budget`` tokens + its own), seconds.
     prefill_seconds : float
         Time to fill the cache and build the draft views, seconds (synthetic or real).
+    draft_weights : str
+        Quantized format of ``t_draft_quantized`` (``"full"``: none timed).
+    t_draft_quantized : Mapping[int, float]
+        T_D per budget with the quantized draft weights (``draft_weights``), seconds.
     """
 
     batch: int
@@ -101,6 +109,8 @@ class StepTimes:
     t_verify: Mapping[int, float] = field(hash=False)
     t_draft: Mapping[int, float] = field(hash=False)
     prefill_seconds: float = 0.0
+    draft_weights: str = "full"
+    t_draft_quantized: Mapping[int, float] = field(default_factory=dict, hash=False)
 
     def measurements(self) -> list[Measurement]:
         """The times as :class:`Measurement` rows (the shapes the roofline needs)."""
@@ -109,6 +119,8 @@ class StepTimes:
         rows += [Measurement("verify", b, g + 1, s + g + 1, g + 1, t) for g, t in sorted(self.t_verify.items())]
         # The draft attends to its whole view buffer (budget slots, masked where empty) + itself.
         rows += [Measurement("draft", b, 1, k + 1, 1, t) for k, t in sorted(self.t_draft.items())]
+        rows += [Measurement("draft", b, 1, k + 1, 1, t, self.draft_weights)
+                 for k, t in sorted(self.t_draft_quantized.items())]
         return rows
 
 
@@ -148,6 +160,9 @@ class Calibration:
         ISO timestamp.
     versions : Mapping[str, str]
         torch / transformers / Python versions and threads at measuring time.
+    quantized_flops : Mapping[str, float]
+        Effective FLOP/s of the linear layers of a quantized draft per format (``{"int8": …}``),
+        fitted to timed quantized draft steps with the other rates fixed; empty when none was timed.
     """
 
     model: str
@@ -164,6 +179,7 @@ class Calibration:
     wall_seconds: float = 0.0
     created: str = ""
     versions: Mapping[str, str] = field(default_factory=dict, hash=False)
+    quantized_flops: Mapping[str, float] = field(default_factory=dict, hash=False)
 
     def __post_init__(self) -> None:
         check_number("bandwidth", self.bandwidth)
@@ -177,7 +193,10 @@ class Calibration:
         one device).
         """
         fitted = Fit(self.bandwidth, self.flops, self.overhead, self.overlap, self.rel_rms_error)
-        return fitted.hardware(base, self.dtype, name=f"{self.device} (calibrated)")
+        hardware = fitted.hardware(base, self.dtype, name=f"{self.device} (calibrated)")
+        if not self.quantized_flops:
+            return hardware
+        return hardware.replace(peak_flops={**hardware.peak_flops, **self.quantized_flops})
 
     def predictions(self) -> list[tuple[Measurement, float]]:
         """``(measurement, predicted seconds)`` for every measured forward."""
@@ -215,6 +234,7 @@ class Calibration:
         kwargs = {k: v for k, v in data.items() if k in fields}
         kwargs["spec"] = ModelSpec(**data["spec"])
         kwargs["measurements"] = tuple(Measurement(**m) for m in data["measurements"])
+        kwargs["quantized_flops"] = dict(data.get("quantized_flops", {}))
         kwargs["outliers"] = tuple(data.get("outliers", ()))
         return cls(**kwargs)
 

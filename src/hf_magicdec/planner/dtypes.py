@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 #: canonical name -> bytes per element
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float8": 1}
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float8": 1, "int8": 1}
 
 _ALIASES = {
     "fp32": "float32", "f32": "float32", "float": "float32", "float32": "float32", "tf32": "float32",
@@ -18,6 +18,7 @@ _ALIASES = {
     "fp16": "float16", "f16": "float16", "half": "float16", "float16": "float16",
     "fp8": "float8", "float8": "float8", "float8_e4m3fn": "float8", "float8_e5m2": "float8",
     "f8": "float8",
+    "int8": "int8", "qint8": "int8",  # quantized linear layers (a peak FLOP/s key; weights only)
 }
 
 

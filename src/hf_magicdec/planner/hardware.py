@@ -119,7 +119,7 @@ class HardwareSpec:
         order = {"float8": ("float8", "bfloat16", "float16", "float32"),
                  "bfloat16": ("bfloat16", "float16", "float32"),
                  "float16": ("float16", "bfloat16", "float32"),
-                 "float32": ("float32",)}[name]
+                 "float32": ("float32",), "int8": ("int8",)}[name]
         for key in order:
             if key in self.peak_flops:
                 return self.peak_flops[key]
@@ -178,7 +178,8 @@ HARDWARE_PRESETS: dict[str, HardwareSpec] = {
     "cpu": HardwareSpec(
         # Placeholder for a few AVX2/AVX-512 cores and dual-channel DRAM; calibrate to replace it.
         name="cpu (uncalibrated)",
-        peak_flops={"float32": 100e9, "bfloat16": 50e9, "float16": 25e9},
+        # int8: dynamically quantized linear layers (VNNI / AVX-512 int8 dot products).
+        peak_flops={"float32": 100e9, "bfloat16": 50e9, "float16": 25e9, "int8": 200e9},
         bandwidth=20 * _GB, link_bandwidth=10 * _GB, allreduce_latency=20e-6, overhead=2e-3, overlap=False,
     ),
 }

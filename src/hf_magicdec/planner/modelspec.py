@@ -17,6 +17,9 @@ from .dtypes import canonical_dtype, dtype_bytes
 
 __all__ = ["ModelSpec"]
 
+# Bytes per weight of the quantized linear formats (None: the model's dtype).
+_WEIGHT_FORMAT_BYTES = {None: None, "int8": 1.0, "int4": 0.5}
+
 # Architectures whose MLP is a plain two-matrix up/down projection; everything else is treated
 # as gated (SwiGLU/GeGLU: gate, up and down matrices), which is what Llama, Qwen, Mistral, Gemma
 # and Phi-3 use.
@@ -65,6 +68,10 @@ class ModelSpec:
         Weight and activation dtype (canonical name, e.g. ``"bfloat16"``).
     kv_dtype : str or None
         KV cache dtype; ``None`` = ``dtype``.
+    weight_format : str or None
+        Linear layers (LM head included) stored quantized: ``"int8"`` (1 byte per weight) or
+        ``"int4"`` (half a byte); None = ``dtype``. A quantized self-draft is the model's spec
+        with this set (:meth:`with_weights`).
 
     Raises
     ------
@@ -92,8 +99,12 @@ class ModelSpec:
     gated_mlp: bool = True
     dtype: str = "bfloat16"
     kv_dtype: str | None = None
+    weight_format: str | None = None
 
     def __post_init__(self) -> None:
+        if self.weight_format not in _WEIGHT_FORMAT_BYTES:
+            raise ValueError(f"weight_format must be one of {sorted(_WEIGHT_FORMAT_BYTES, key=str)}, got "
+                             f"{self.weight_format!r}.")
         for name in ("layers", "hidden", "heads", "kv_heads", "head_dim", "intermediate", "vocab"):
             check_int(name, getattr(self, name))
         if self.heads % self.kv_heads:
@@ -112,6 +123,17 @@ class ModelSpec:
     def weight_bytes(self) -> int:
         """Bytes per weight/activation element."""
         return dtype_bytes(self.dtype)
+
+    @property
+    def linear_weight_bytes(self) -> float:
+        """Bytes per weight of the linear layers and the LM head (``weight_format``, else ``dtype``)."""
+        quantized = _WEIGHT_FORMAT_BYTES[self.weight_format]
+        return float(self.weight_bytes) if quantized is None else quantized
+
+    def with_weights(self, weight_format: str | None) -> "ModelSpec":
+        """The same model with its linear layers in ``weight_format`` (``"full"`` / None: the dtype's)."""
+        fmt = None if weight_format in (None, "full") else weight_format
+        return dataclasses.replace(self, weight_format=fmt)
 
     @property
     def kv_bytes(self) -> int:
@@ -151,7 +173,8 @@ class ModelSpec:
 
     def key(self) -> str:
         """Short stable hash of the shapes (not the name or dtype): identifies calibrations."""
-        shape = {k: v for k, v in dataclasses.asdict(self).items() if k not in ("name", "dtype", "kv_dtype")}
+        shape = {k: v for k, v in dataclasses.asdict(self).items() if k not in ("name", "dtype", "kv_dtype",
+                                                                                 "weight_format")}
         return hashlib.sha1(json.dumps(shape, sort_keys=True).encode()).hexdigest()[:8]
 
     def to_dict(self) -> dict[str, Any]:

@@ -111,12 +111,12 @@ def group_work(model: ModelSpec, tp: int, *, batch: int, query_tokens: int, kv_t
     d, dh = model.hidden, model.head_dim
     weights = 2 * d * heads * dh + 2 * d * kv_heads * dh + model.mlp_matrices * d * mlp
     tokens = batch * query_tokens
-    linear = (2.0 * tokens * weights, float(weights * model.weight_bytes), model.layers)
+    linear = (2.0 * tokens * weights, float(weights * model.linear_weight_bytes), model.layers)
     # KV read for every key attended plus the write of the new tokens' KV.
     kv_elems = 2 * batch * kv_heads * (kv_tokens + query_tokens) * dh
     attention = (4.0 * tokens * kv_tokens * heads * dh, float(kv_elems * model.kv_bytes), model.layers)
     vocab = math.ceil(model.vocab / tp)
-    lm_head = (2.0 * batch * logit_tokens * vocab * d, float(vocab * d * model.weight_bytes), 1)
+    lm_head = (2.0 * batch * logit_tokens * vocab * d, float(vocab * d * model.linear_weight_bytes), 1)
     return {"linear": linear, "attention": attention, "lm_head": lm_head}
 
 
@@ -157,7 +157,11 @@ def forward_cost(model: ModelSpec, hardware: HardwareSpec, *, batch: int, query_
     peak, bw = hardware.peak(model.dtype), hardware.bandwidth
     work = group_work(model, tp, batch=batch, query_tokens=query_tokens, kv_tokens=kv_tokens,
                       logit_tokens=logit_tokens)
-    groups = {name: _group(f, b, peak, bw, n, hardware.overlap) for name, (f, b, n) in work.items()}
+    # Quantized linear layers run at the device's rate for their format where it lists one (CPU
+    # int8 GEMMs); weight-only formats (GPU) compute in the model's dtype.
+    linear_peak = hardware.peak_flops.get(model.weight_format, peak) if model.weight_format else peak
+    groups = {name: _group(f, b, peak if name == "attention" else linear_peak, bw, n, hardware.overlap)
+              for name, (f, b, n) in work.items()}
     comm = 0.0
     if tp > 1:
         # Ring all-reduce moves 2(tp-1)/tp of the message per device; two per layer (after

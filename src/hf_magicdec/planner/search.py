@@ -97,6 +97,8 @@ class Plan:
         Name of the separate draft model the best candidate drafts with (None: self-speculation).
     draft_options : dict
         The best candidate's view options away from their defaults (``{"window": 16}``).
+    draft_weights : str
+        The best candidate's draft weights: ``"full"``, ``"int8"`` or ``"int4"``.
     model, hardware : str
         Names of the model spec and the device (``"... (calibrated)"`` when calibrated, ``" xN"`` with
         N-way tensor parallelism).
@@ -124,6 +126,7 @@ class Plan:
     reason: str
     draft_model: str | None = None
     draft_options: dict[str, Any] = field(default_factory=dict)
+    draft_weights: str = "full"
 
     def config_kwargs(self) -> dict[str, Any]:
         """``MagicDecConfig`` keyword arguments of the best candidate.
@@ -135,7 +138,8 @@ class Plan:
         """
         if self.draft is None:
             raise ValueError(f"No speculative candidate for this workload: {self.reason}")
-        return {"draft": self.draft, "draft_budget": self.draft_budget, "gamma": self.gamma, **self.draft_options}
+        return {"draft": self.draft, "draft_budget": self.draft_budget, "gamma": self.gamma,
+                "draft_weights": self.draft_weights, **self.draft_options}
 
     def summary(self) -> str:
         """Human-readable multi-line description."""
@@ -147,6 +151,7 @@ class Plan:
         verdict = "speculate" if self.speculate else "plain decoding"
         lines.append(f"{verdict}: {self.reason}")
         drafter = f" on draft model {self.draft_model}" if self.draft_model else ""
+        drafter += f" with {self.draft_weights} weights" if self.draft_weights != "full" else ""
         lines.append(f"best: draft={self.draft}{drafter} budget={self.draft_budget} gamma={self.gamma}  "
                      f"alpha={self.acceptance:.3f}  tokens/step={self.tokens_per_step:.2f}  "
                      f"predicted speedup {self.predicted_speedup:.2f}x")
@@ -157,6 +162,7 @@ class Plan:
             lines.append("runner-ups:")
             for e in self.runner_ups:
                 name = e.draft if e.draft_model is None else f"{e.draft} ({e.draft_model})"
+                name += f"@{e.draft_weights}" if e.draft_weights != "full" else ""
                 lines.append(f"  {name:<13} budget {e.draft_budget:<5} gamma {e.gamma}  alpha {e.acceptance:.3f}  "
                              f"speedup {e.speedup:.2f}x")
         return "\n".join(lines)
@@ -198,6 +204,7 @@ def plan(
     draft_model: Any = None,
     draft_model_drafts: Iterable[DraftLike] | None = None,
     self_speculation: bool = True,
+    draft_weights: Iterable[str] = ("full",),
 ) -> Plan:
     """Choose draft view, budget and γ for a workload, or plain decoding.
 
@@ -238,6 +245,10 @@ def plan(
         Views considered for the draft model's cache (required with ``draft_model``).
     self_speculation : bool
         Whether self-speculation candidates compete too.
+    draft_weights : iterable of str
+        Weights the self-draft may read: ``"full"`` and/or quantized formats (``"int8"``,
+        ``"int4"``), each priced by its weight bytes (and the device's rate for the format) with
+        its own α (``"<view>@<format>"``).
 
     Returns
     -------
@@ -267,8 +278,9 @@ def plan(
     drafts = _views("drafts", drafts if drafts is not None else ())
     draft_model_drafts = _views("draft_model_drafts", draft_model_drafts if draft_model_drafts is not None else ())
     budgets, gammas = tuple(budgets), tuple(gammas)
+    weight_formats = tuple(draft_weights)
     for name, values in (("drafts", drafts if self_speculation else (None,)), ("budgets", budgets),
-                         ("gammas", gammas)):
+                         ("gammas", gammas), ("draft_weights", weight_formats)):
         if not values:
             raise ValueError(f"{name} must not be empty.")
     for b in budgets:
@@ -289,9 +301,9 @@ def plan(
     # (estimate, view) of every candidate the view accepts.
     candidates = [
         (estimate(spec, hw, batch=batch_size, context=s, draft=d, budget=k, gamma=g, acceptance=acceptance,
-                  t_target=tt), d)
+                  t_target=tt, draft_weights=w), d)
         for d in drafts if self_speculation and d.name != "full" for k in budgets if k < prompt_len
-        for g in gammas if d.fits(k, g)
+        for g in gammas if d.fits(k, g) for w in weight_formats
     ]
     if draft_model is not None:
         dspec = _model_spec(draft_model, dtype)
@@ -313,11 +325,11 @@ def plan(
     best = estimates[0]
     # Runner-ups: the best gamma of each other (draft, budget), so the list shows alternatives
     # rather than the winner's neighbouring gammas.
-    seen = {(best.draft, best.draft_budget, best.draft_model)}
+    seen = {(best.draft, best.draft_budget, best.draft_model, best.draft_weights)}
     runner_ups = []
     for e in estimates[1:]:
-        if (e.draft, e.draft_budget, e.draft_model) not in seen:
-            seen.add((e.draft, e.draft_budget, e.draft_model))
+        if (e.draft, e.draft_budget, e.draft_model, e.draft_weights) not in seen:
+            seen.add((e.draft, e.draft_budget, e.draft_model, e.draft_weights))
             runner_ups.append(e)
     speculate = best.speedup >= min_speedup
     if speculate:
@@ -327,5 +339,6 @@ def plan(
                   "costs more than the accepted tokens save at this batch and context")
     common["draft_model"] = best.draft_model
     common["draft_options"] = _options(candidates[0][1])
+    common["draft_weights"] = best.draft_weights
     return Plan(speculate, best.draft, best.draft_budget, best.gamma, best.speedup, best.acceptance, best.omega,
                 tt, best.t_draft, best.t_verify, tuple(runner_ups[:_RUNNER_UPS]), reason=reason, **common)

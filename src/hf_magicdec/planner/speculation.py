@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any, Iterable
 
 from ._checks import check_int
-from .acceptance import DRAFT_MODEL_PREFIX, AcceptanceLike, resolve_acceptance
+from .acceptance import DRAFT_MODEL_PREFIX, WEIGHTS_SEPARATOR, AcceptanceLike, resolve_acceptance
 from .hardware import HardwareSpec
 from .modelspec import ModelSpec
 from .roofline import draft_steps, target_step, verify_step
@@ -124,11 +124,12 @@ class Estimate:
     t_verify: float
     speedup: float
     draft_model: str | None = None  # name of a separate draft model's spec; None: self-speculation
+    draft_weights: str = "full"  # the self-draft's linear layers: "full", "int8" or "int4"
 
 
 def estimate(model: ModelSpec, hardware: HardwareSpec, *, batch: int, context: int, draft: Any, budget: int,
              gamma: int, acceptance: AcceptanceLike = None, t_target: float | None = None,
-             draft_model: ModelSpec | None = None) -> Estimate:
+             draft_model: ModelSpec | None = None, draft_weights: str = "full") -> Estimate:
     """Predict the speedup of one candidate at one operating point.
 
     Parameters
@@ -153,6 +154,9 @@ def estimate(model: ModelSpec, hardware: HardwareSpec, *, batch: int, context: i
     draft_model : ModelSpec, optional
         A separate draft model: its forwards are the draft steps (its weights plus ``budget``
         tokens of its own KV), and α is looked up as ``"model:<draft>"``.
+    draft_weights : str
+        The self-draft's linear layers: ``"full"``, or quantized copies (``"int8"``, ``"int4"``):
+        the draft steps read those bytes, and α is looked up as ``"<draft>@<format>"``.
 
     Returns
     -------
@@ -160,14 +164,22 @@ def estimate(model: ModelSpec, hardware: HardwareSpec, *, batch: int, context: i
     """
     view_name = getattr(draft, "name", draft)
     name = view_name if draft_model is None else DRAFT_MODEL_PREFIX + view_name
+    if draft_weights != "full":
+        if draft_model is not None:
+            raise ValueError(f"draft_weights={draft_weights!r} applies to self-speculation, not to a draft model.")
+        name += WEIGHTS_SEPARATOR + draft_weights
+        draft_model_spec = model.with_weights(draft_weights)
+    else:
+        draft_model_spec = draft_model
     alpha = resolve_acceptance(acceptance, name, budget, context)
     tt = target_step(model, hardware, batch, context).seconds if t_target is None else t_target
-    td_total = draft_steps(model if draft_model is None else draft_model, hardware, batch, context, budget, gamma)
-    td_total += gamma * selection_seconds(model if draft_model is None else draft_model, hardware, batch, context,
-                                          budget, draft)  # query-aware views (dynamic) re-select every step
+    drafter = model if draft_model_spec is None else draft_model_spec
+    td_total = draft_steps(drafter, hardware, batch, context, budget, gamma)
+    td_total += gamma * selection_seconds(drafter, hardware, batch, context, budget, draft)  # query-aware views (dynamic) re-select every step
     tv = verify_step(model, hardware, batch, context, gamma).seconds
     return Estimate(view_name, budget, gamma, alpha, omega(gamma, alpha), tt, td_total / gamma, tv,
-                    speedup(gamma, alpha, tt, td_total, tv), None if draft_model is None else draft_model.name)
+                    speedup(gamma, alpha, tt, td_total, tv), None if draft_model is None else draft_model.name,
+                    draft_weights)
 
 
 def _best(model, hardware, batch, context, draft, budget, gammas, acceptance) -> float:

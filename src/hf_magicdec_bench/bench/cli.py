@@ -21,9 +21,10 @@ from pathlib import Path
 
 import torch
 
-from ..ruler import TASKS
+from ..ruler import RULER_TASKS, task_names
 from .harness import environment
 from .report import breakdown_table, plots, table, write_jsonl
+from .reuse import run_reuse_and_report
 from .ruler_mode import ruler_table, run_ruler
 from .runner import BenchSpec, resolve_device, run
 
@@ -52,6 +53,8 @@ def build_parser(prog: str = "hf-magicdec bench") -> argparse.ArgumentParser:
     ap.add_argument("--budget", type=_int_or_auto, nargs="+", default=[256], help="draft budget(s), or auto")
     ap.add_argument("--gamma", type=_int_or_auto, nargs="+", default=[3],
                     help="draft tokens per step, or auto (planner's choice, adapted per step)")
+    ap.add_argument("--draft-weights", nargs="+", default=["full"], choices=["full", "int8", "int4", "auto"],
+                    help="the self-draft's weights: full, int8 (quantized copies of the linear layers), auto")
     ap.add_argument("--text", default="auto", help="auto | shakespeare | pg19 | files:<glob> (see hf_magicdec_bench.data)")
     ap.add_argument("--repeats", type=int, default=1, help="timed runs per method (median reported)")
     ap.add_argument("--no-warmup", action="store_true", help="skip the short discarded warm-up run per method")
@@ -72,9 +75,14 @@ def build_parser(prog: str = "hf-magicdec bench") -> argparse.ArgumentParser:
     ap.add_argument("--prefill-chunk", type=int, default=None,
                     help="prefill chunk size for every method (default: stock prefills at once, MagicDec in 1024s)")
     ap.add_argument("--ruler", nargs="+", default=None, metavar="TASK",
-                    help="RULER mode: these tasks (niah_single niah_multikey niah_multivalue niah_multiquery vt cwe "
-                         "fwe qa, or 'all') instead of book text; --context gives the lengths")
+                    help="RULER mode: these tasks instead of book text, by RULER's names (niah_single_1/2/3 "
+                         "niah_multikey_1/2/3 niah_multivalue niah_multiquery vt cwe fwe qa_1 qa_2; 'all': those 13) "
+                         "or ours (niah_single niah_multikey ... qa); --context gives the lengths")
     ap.add_argument("--ruler-samples", type=int, default=8, help="samples (batch rows) per RULER task and length")
+    ap.add_argument("--reuse-prefix", type=int, default=None, metavar="N",
+                    help="prefill the documents once and answer N questions from copies of their cache, stock vs "
+                         "MagicDec (first batch, context and MagicDec config): prefill saved and decode speedup "
+                         "per question (docs/cache_reuse.md)")
     ap.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     ap.add_argument("--out", default="bench_out", help="folder for results.jsonl and plots")
     ap.add_argument("--quiet", action="store_true", help="no progress bars")
@@ -91,7 +99,8 @@ def main(argv: list[str] | None = None, prog: str = "hf-magicdec bench") -> int:
         spec = BenchSpec(
             model=args.model, dtype=args.dtype, device=args.device, batches=tuple(args.batch),
             contexts=tuple(args.context), new_tokens=args.new_tokens, drafts=tuple(args.draft),
-            budgets=tuple(args.budget), gammas=tuple(args.gamma), text=args.text, repeats=args.repeats,
+            budgets=tuple(args.budget), gammas=tuple(args.gamma), draft_weights=tuple(args.draft_weights),
+            text=args.text, repeats=args.repeats,
             warmup=not args.no_warmup, own_ar=not args.no_own_ar, static_baseline=args.static_baseline,
             stop_at_eos=args.stop_at_eos,
             assistant=args.assistant, prefill_chunk=args.prefill_chunk, draft_model=args.draft_model,
@@ -101,16 +110,20 @@ def main(argv: list[str] | None = None, prog: str = "hf-magicdec bench") -> int:
         ap.error(str(exc))
     tasks = None
     if args.ruler:
-        tasks = list(TASKS) if args.ruler == ["all"] else args.ruler
-        bad = [t for t in tasks if t not in TASKS]
+        tasks = list(RULER_TASKS) if args.ruler == ["all"] else args.ruler
+        bad = [t for t in tasks if t not in task_names()]
         if bad:
-            ap.error(f"unknown RULER task(s) {bad}; choose from {list(TASKS)} or 'all'")
+            ap.error(f"unknown RULER task(s) {bad}; choose from {list(task_names())} or 'all'")
         if args.ruler_samples < 1:
             ap.error(f"--ruler-samples must be >= 1, got {args.ruler_samples}")
     if args.threads is not None:
         if args.threads < 1:
             ap.error(f"--threads must be >= 1, got {args.threads}")
         torch.set_num_threads(args.threads)
+    if args.reuse_prefix is not None:
+        if args.reuse_prefix < 1:
+            ap.error(f"--reuse-prefix must be >= 1, got {args.reuse_prefix}")
+        return run_reuse_and_report(spec, args.reuse_prefix, Path(args.out), progress=not args.quiet)
     if tasks:
         return run_ruler_and_report(spec, tasks, args.ruler_samples, Path(args.out), progress=not args.quiet)
     return run_and_report(spec, Path(args.out), progress=not args.quiet)

@@ -47,6 +47,8 @@ class BenchSpec:
     drafts: tuple[str, ...] = ("streamingllm", "snapkv")
     budgets: tuple[int | str, ...] = (256,)  # "auto": the planner picks
     gammas: tuple[int | str, ...] = (3,)  # "auto": the planner picks, then adapts per step
+    # The self-draft's weights: "full", "int8" (quantized copies of the linear layers), "auto".
+    draft_weights: tuple[str, ...] = ("full",)
     text: str = "auto"
     repeats: int = 1
     warmup: bool = True
@@ -80,7 +82,8 @@ class BenchSpec:
         for draft in (*self.drafts, *(self.draft_model_views if self.draft_model else ())):
             for budget in self.budgets:
                 for gamma in self.gammas:
-                    MagicDecConfig(draft=draft, draft_budget=budget, gamma=gamma)  # names the bad value
+                    for weights in self.draft_weights:  # names the bad value
+                        MagicDecConfig(draft=draft, draft_budget=budget, gamma=gamma, draft_weights=weights)
 
     def draft_model_configs(self, context: int) -> list[MagicDecConfig]:
         """Configurations run with the separate draft model (its full view: one budget suffices)."""
@@ -89,7 +92,8 @@ class BenchSpec:
         out = []
         for view in self.draft_model_views:
             budgets = self.budgets[:1] if view == "full" else [k for k in self.budgets if k == AUTO or k < context]
-            out.extend(MagicDecConfig(draft=view, draft_budget=k, gamma=g) for k in budgets for g in self.gammas)
+            out.extend(MagicDecConfig(draft=view, draft_budget=k, gamma=g, draft_weights="full")
+                       for k in budgets for g in self.gammas)
         return out
 
     def configs(self, context: int) -> list[MagicDecConfig]:
@@ -101,7 +105,8 @@ class BenchSpec:
                     log.warning("skipping %s budget %d at context %d: the view would hold the whole prompt",
                                 draft, budget, context)
                     continue
-                out.extend(MagicDecConfig(draft=draft, draft_budget=budget, gamma=g) for g in self.gammas)
+                out.extend(MagicDecConfig(draft=draft, draft_budget=budget, gamma=g, draft_weights=w)
+                           for w in self.draft_weights for g in self.gammas)
         return out
 
 
@@ -225,7 +230,9 @@ def _bytes_read(info: ModelInfo, result: Result) -> float:
     view = min(s.draft_budget, p) if s.draft != "full" else mean_ctx
     g = s.mean_gamma
     verify = s.steps * info.weight_bytes + row_steps * mean_ctx * info.kv_bytes_per_token
-    draft = s.steps * g * info.weight_bytes + row_steps * g * (view + (g + 1) / 2) * info.kv_bytes_per_token
+    # A quantized draft reads its int8 copy of the linear layers instead (the embedding is not read).
+    draft_weight_bytes = s.draft_weight_bytes or info.weight_bytes
+    draft = s.steps * g * draft_weight_bytes + row_steps * g * (view + (g + 1) / 2) * info.kv_bytes_per_token
     return verify + draft
 
 
@@ -243,7 +250,8 @@ def _predict(model, result: Result) -> None:
     view = result.config.view_for(s.draft) if result.config is not None else get_view(s.draft)
     p = hf_magicdec.plan(model, batch_size=result.batch, prompt_len=result.context, new_tokens=result.new_tokens,
                          hardware=result.config.hardware if result.config is not None else None, drafts=[view],
-                         budgets=(s.draft_budget,), gammas=(gamma,), acceptance=min(s.acceptance_rate, 0.999))
+                         budgets=(s.draft_budget,), gammas=(gamma,), acceptance=min(s.acceptance_rate, 0.999),
+                         draft_weights=(s.draft_weights,))
     if p.draft is None:
         raise ValueError(p.reason)
     result.predicted_speedup = p.predicted_speedup
@@ -381,6 +389,7 @@ def run(spec: BenchSpec, progress: bool = True, on_result: Callable[[Result], No
                     run_own_ar()
                 for cfg in configs[context]:
                     label = f"magicdec {cfg.draft}/{cfg.draft_budget} γ={cfg.gamma}".replace("auto/auto", "auto")
+                    label += f" {cfg.draft_weights}" if cfg.draft_weights != "full" else ""
                     one("magicdec", label, ids,
                         lambda clock, x, n, c=cfg: generate(x, n, clock, speculative=c, return_dict_in_generate=True),
                         cfg, base)

@@ -1,0 +1,215 @@
+"""Draft weights: the self-draft may read its linear layers from a compressed copy.
+
+A draft token never reaches the user unverified, so the draft forward may use cheaper weights:
+only the acceptance can change, never the output. :func:`draft_twin` returns a *twin* of the model
+for the draft forwards: a shallow copy of its module tree that shares every parameter, buffer and
+config with the model, except that each ``nn.Linear`` (LM head included) is replaced by a quantized
+copy. The model itself is never altered: its modules, weights and ``state_dict`` stay as they are,
+prefill and verification run it unchanged, and the twin is cached beside it (in a
+``WeakKeyDictionary``, not as an attribute, which would register it as a submodule) and freed with
+it. A twin whose source weights were replaced or modified in place since it was made is rebuilt.
+
+Formats and kernels (chosen by speed measured on this project's CPUs, ``docs/benchmarks.md``):
+
+``"int8"`` on CPU
+    PyTorch's dynamically quantized linear (``torch.ao.nn.quantized.dynamic.Linear``: int8
+    per-channel weights, activations quantized per call; fbgemm / oneDNN / QNNPACK GEMMs). At batch
+    8 the SmolLM2 LM head (576 → 49,152) costs 12 ms in fp32 and 0.9–2.6 ms this way; torchao's int8
+    configs run eagerly at several times the fp32 cost on CPU, so they are not used there.
+``"int8"`` / ``"int4"`` on CUDA
+    torchao's weight-only configs (``Int8WeightOnlyConfig`` / ``Int4WeightOnlyConfig``), when
+    torchao is installed. Not yet measured on a GPU.
+
+Everything else (int4 on CPU, a GPU without torchao, models whose weights are sharded, offloaded
+or already quantized) is refused by :func:`check_draft_weights` before any forward.
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+import warnings
+import weakref
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..defaults import AUTO
+
+__all__ = ["QUANTIZED_FORMATS", "DraftTwin", "check_draft_weights", "draft_twin", "feasible_formats",
+           "supported_formats"]
+
+#: The quantized values of ``MagicDecConfig.draft_weights``.
+QUANTIZED_FORMATS = ("int8", "int4")
+
+# model -> {format: DraftTwin}. Weak keys: the twin holds no reference to the model object itself
+# (only to its parameters), so the entry and the quantized copy go when the model does.
+_TWINS: "weakref.WeakKeyDictionary[nn.Module, dict[str, DraftTwin]]" = weakref.WeakKeyDictionary()
+
+
+@dataclass
+class DraftTwin:
+    """A model's draft twin and what it was made from.
+
+    Attributes
+    ----------
+    module : the twin (an instance of the model's class sharing all but its linear layers).
+    fmt : ``"int8"`` or ``"int4"``.
+    nbytes : bytes of the quantized copies (the extra memory the twin costs).
+    linears : how many linear layers were replaced.
+    source : ``(id, version)`` of every replaced weight, to notice updates to the model.
+    """
+
+    module: nn.Module
+    fmt: str
+    nbytes: int
+    linears: int
+    source: tuple
+
+
+def supported_formats(device: torch.device) -> tuple[str, ...]:
+    """Quantized draft-weight formats with a kernel on ``device`` (``()``: none)."""
+    if device.type == "cpu":
+        return ("int8",) if "fbgemm" in torch.backends.quantized.supported_engines or \
+            "qnnpack" in torch.backends.quantized.supported_engines else ()
+    if device.type == "cuda" and importlib.util.find_spec("torchao") is not None:
+        return ("int8", "int4")
+    return ()
+
+
+def check_draft_weights(model, fmt: str, device: torch.device, draft_model=None) -> None:
+    """Refuse a ``draft_weights`` setting this call cannot honour, before any forward."""
+    if fmt in ("full", AUTO):
+        return
+    if draft_model is not None:
+        raise ValueError(f"draft_weights={fmt!r} quantizes the model's own draft forwards; with draft_model= the draft "
+                         "is a separate model (quantize it yourself, or drop draft_model).")
+    available = supported_formats(device)
+    if fmt not in available:
+        hint = ("install torchao for int8/int4 draft weights on CUDA" if device.type == "cuda"
+                else "CPUs have an int8 kernel only" if available else f"no quantized kernel on {device.type}")
+        raise ValueError(f"draft_weights={fmt!r} is not available on {device.type} ({hint}); "
+                         f"available: {['full', *available]}.")
+    for name, module in model.named_modules():
+        if hasattr(module, "_hf_hook") or "forward" in vars(module):
+            raise ValueError(f"draft_weights={fmt!r} needs a model whose forwards are its own; module {name!r} carries "
+                             "an accelerate hook or a patched forward (device_map offloading?). Use draft_weights='full'.")
+    linears = [(n, m) for n, m in model.named_modules() if type(m) is nn.Linear]
+    if not linears:
+        raise ValueError(f"draft_weights={fmt!r}: the model has no plain torch.nn.Linear layer to quantize "
+                         "(already quantized?). Use draft_weights='full'.")
+    for name, linear in linears:
+        weight = linear.weight
+        if not weight.is_floating_point() or weight.device.type == "meta" or type(weight.data) is not torch.Tensor:
+            raise ValueError(f"draft_weights={fmt!r}: {name}.weight is {type(weight.data).__name__} "
+                             f"{weight.dtype} on {weight.device}; only dense floating-point weights can be quantized "
+                             "(sharded, offloaded or quantized models: use draft_weights='full').")
+
+
+def feasible_formats(model, device: torch.device, draft_model=None) -> tuple[str, ...]:
+    """The quantized formats an ``"auto"`` ``draft_weights`` may pick for this call (no error)."""
+    out = []
+    for fmt in supported_formats(device):
+        try:
+            check_draft_weights(model, fmt, device, draft_model)
+        except ValueError:
+            continue
+        out.append(fmt)
+    return tuple(out)
+
+
+def draft_twin(model, fmt: str) -> DraftTwin:
+    """The model's twin with ``fmt`` linear layers, made once and reused while the weights last."""
+    twins = _TWINS.setdefault(model, {})
+    source = _source(model)
+    twin = twins.get(fmt)
+    if twin is None or twin.source != source:
+        twins.pop(fmt, None)  # free the stale copy before making the new one
+        twin = twins[fmt] = _make_twin(model, fmt, source)
+    return twin
+
+
+def _source(model) -> tuple:
+    return tuple((id(m.weight), m.weight._version) for m in model.modules() if type(m) is nn.Linear)
+
+
+def _make_twin(model, fmt: str, source: tuple) -> DraftTwin:
+    device = next(model.parameters()).device
+    quantize = _cpu_int8 if device.type == "cpu" else _torchao(fmt)
+    made: list[nn.Module] = []
+
+    def twin_of(module: nn.Module) -> nn.Module:
+        if type(module) is nn.Linear:
+            made.append(quantize(module))
+            return made[-1]
+        clone = copy.copy(module)  # shares parameters, buffers, config and hooks; new child dict below
+        clone.__dict__.pop("_compiled_call", None)  # transformers' cached torch.compile of the model
+        clone._modules = {name: (twin_of(child) if child is not None else None)
+                          for name, child in module._modules.items()}
+        return clone
+
+    with torch.no_grad():
+        module = twin_of(model)
+    module.eval()  # the clones' own flags: the model's stay as the user set them
+    nbytes = sum(_quantized_bytes(m) for m in made)
+    return DraftTwin(module, fmt, nbytes, len(made), source)
+
+
+class _DynamicInt8Linear(nn.Module):
+    """PyTorch's dynamically quantized int8 linear, fed float32 whatever the model's dtype."""
+
+    def __init__(self, linear: nn.Linear):
+        super().__init__()
+        from_float = copy.copy(linear)  # from_float reads the qconfig off the module
+        from_float.qconfig = torch.ao.quantization.per_channel_dynamic_qconfig  # per output row: closer drafts
+        with warnings.catch_warnings():  # quantized tensors are deprecated upstream; still the fastest CPU path
+            warnings.simplefilter("ignore")
+            self.inner = torch.ao.nn.quantized.dynamic.Linear.from_float(from_float.float())
+        self.out_features = linear.out_features
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.inner(x.float()).to(x.dtype)
+
+
+def _cpu_int8(linear: nn.Linear) -> nn.Module:
+    return _DynamicInt8Linear(linear)
+
+
+def _torchao(fmt: str):
+    from torchao.quantization import Int4WeightOnlyConfig, Int8WeightOnlyConfig, quantize_
+
+    config = Int8WeightOnlyConfig() if fmt == "int8" else Int4WeightOnlyConfig()
+
+    def quantize(linear: nn.Linear) -> nn.Module:
+        copy_ = nn.Linear(linear.in_features, linear.out_features, bias=linear.bias is not None,
+                          device=linear.weight.device, dtype=linear.weight.dtype)
+        copy_.load_state_dict(linear.state_dict())
+        holder = nn.Sequential(copy_)
+        quantize_(holder, config)
+        return holder[0]
+
+    return quantize
+
+
+def _quantized_bytes(module: nn.Module) -> int:
+    if isinstance(module, _DynamicInt8Linear):
+        weight, bias = module.inner._packed_params._weight_bias()
+        scales = weight.q_per_channel_scales() if weight.qscheme() in (torch.per_channel_affine,
+                                                                         torch.per_channel_symmetric) else None
+        return weight.numel() + (0 if bias is None else bias.numel() * 4) + (0 if scales is None else scales.numel() * 12)
+    return sum(_tensor_bytes(t) for t in [*module.parameters(), *module.buffers()])
+
+
+def _tensor_bytes(tensor: torch.Tensor) -> int:
+    inner = getattr(tensor, "__tensor_flatten__", None)
+    if inner is not None:  # a torchao tensor subclass: sum its packed components
+        names, _ = inner()
+        return sum(_tensor_bytes(getattr(tensor, n)) for n in names)
+    return tensor.numel() * tensor.element_size()
+
+
+def twin_info(model) -> dict[str, Any]:
+    """``{format: bytes}`` of the draft twins cached for ``model`` (for reports)."""
+    return {fmt: twin.nbytes for fmt, twin in _TWINS.get(model, {}).items()}
