@@ -18,7 +18,11 @@ What it measures (issue 5's targets, Llama-3.1-8B shape in bf16):
 * the same attention through the stock paths (SDPA as HF calls it) and HF's DynamicCache decode
   step, for comparison;
 * every model ratio twice: eager, and with the steps captured as ``compile=`` runs them (inductor
-  with CUDA graphs; issue 15's targets T_D(512)/T_T ≤ 0.15 and T_V(4)/T_T ≤ 1.2 with graphs).
+  with CUDA graphs; issue 15's targets T_D(512)/T_T ≤ 0.15 and T_V(4)/T_T ≤ 1.2 with graphs), and
+  T_D with the quantized draft weights (``draft_weights=``: torchao's when installed);
+* end to end (``--e2e``, default batch 32 × 32K, 128 new tokens): MagicDec's decode time against
+  stock ``generate(cache_implementation="static")``, which transformers compiles on CUDA, same
+  inputs, same run, and whether the greedy tokens are identical (target ≥ 1.5×).
 
 Model-level timings use ``--layers`` decoder layers (default 8) of the real shape: a full 32-layer
 KV cache at batch 32 × 32K (128 GiB) does not fit next to the weights on one 141 GB GPU, and the
@@ -49,7 +53,9 @@ from hf_magicdec.kernels import Segments, reference  # noqa: E402
 CONFIGS = {name: ROOT / "tests" / "configs" / f"{name}.json" for name in ("llama-3.1-8b", "qwen2.5-7b")}
 TARGETS = {"verify_bandwidth_fraction": 0.70, "tv4_over_tt": 1.15, "td512_over_tt": 0.10,
            # With the steps captured (compile=, CUDA graphs): issue 15's targets.
-           "graphs_tv4_over_tt": 1.2, "graphs_td512_over_tt": 0.15}
+           "graphs_tv4_over_tt": 1.2, "graphs_td512_over_tt": 0.15,
+           # MagicDec's decode vs stock generate(cache_implementation="static"), compiled by transformers.
+           "end_to_end_speedup": 1.5}
 
 
 def timed(fn, repeats: int, device: torch.device) -> float:
@@ -189,9 +195,12 @@ def stock_decode_step(model, batch, context, device, repeats) -> float:
 def model_ratios(name, layers, batches, contexts, device, dtype, repeats, smoke) -> list[dict]:
     from transformers import CompileConfig
 
+    from hf_magicdec.engine.draft_weights import feasible_formats
     from hf_magicdec.step_timing import measure_steps
 
     model = build_model(name, layers, dtype, device, smoke)
+    # Draft steps also timed on the quantized twin (draft_weights=): int8 on CPU, torchao's on CUDA.
+    quantized = (feasible_formats(model, device) or ("full",))[0]
     # Graphs off (eager, every operator launched from the host) and on (compile=, as generate runs
     # it: inductor + CUDA graphs on a GPU; aot_eager in the CPU smoke run, which only checks the path).
     captured = CompileConfig() if device.type == "cuda" else CompileConfig(backend="aot_eager")
@@ -201,7 +210,8 @@ def model_ratios(name, layers, batches, contexts, device, dtype, repeats, smoke)
             for graphs in (False, True):
                 try:
                     st = measure_steps(model, batch, context, gammas=(1, 2, 4, 6), budgets=(256, 512, 1024),
-                                       repeats=repeats, compile_config=captured if graphs else None)
+                                       repeats=repeats, compile_config=captured if graphs else None,
+                                       draft_weights=quantized)
                 except torch.OutOfMemoryError as exc:
                     rows.append(dict(model=name, batch=batch, context=context, graphs=graphs, error=repr(exc)[:200]))
                     torch.cuda.empty_cache()
@@ -209,7 +219,9 @@ def model_ratios(name, layers, batches, contexts, device, dtype, repeats, smoke)
                 row = dict(model=name, layers=layers, batch=batch, context=context, graphs=graphs,
                            backend=kernels.check_backend(device), t_target_ms=st.t_target * 1e3,
                            tv_over_tt={g: t / st.t_target for g, t in st.t_verify.items()},
-                           td_over_tt={k: t / st.t_target for k, t in st.t_draft.items()})
+                           td_over_tt={k: t / st.t_target for k, t in st.t_draft.items()},
+                           draft_weights=st.draft_weights,
+                           td_quantized_over_tt={k: t / st.t_target for k, t in st.t_draft_quantized.items()})
                 rows.append(row)
                 print(json.dumps(row), flush=True)
                 if device.type == "cuda":
@@ -227,6 +239,47 @@ def model_ratios(name, layers, batches, contexts, device, dtype, repeats, smoke)
     return rows
 
 
+def end_to_end(name, layers, batch, context, new_tokens, device, dtype, smoke) -> dict:
+    """Decode time of MagicDec (``compile=`` as ``"auto"`` runs it on CUDA) against stock
+    ``generate(cache_implementation="static")`` (which transformers compiles itself on CUDA), same
+    random prompts, same run: each method's wall time for ``new_tokens`` minus its time for one
+    token (the prefill), after one warm-up call that pays the compilation."""
+    import hf_magicdec  # noqa: F401  (the speculative= routing)
+
+    model = build_model(name, layers, dtype, device, smoke)
+    g = torch.Generator(device="cpu").manual_seed(0)
+    ids = torch.randint(0, model.config.vocab_size, (batch, context), generator=g).to(device)
+    common = dict(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=False, pad_token_id=0)
+    methods = {
+        "stock_static": dict(cache_implementation="static"),
+        "magicdec": dict(speculative="magicdec", draft="snapkv", draft_budget=512, gamma=3,
+                         compile=device.type == "cuda", draft_weights="full"),
+    }
+
+    def wall(kwargs, n):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        t = time.perf_counter()
+        out = model.generate(**common, **kwargs, max_new_tokens=n, min_new_tokens=n)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        return time.perf_counter() - t, out
+
+    row = dict(model=name, layers=layers, batch=batch, context=context, new_tokens=new_tokens)
+    outputs = {}
+    for method, kwargs in methods.items():
+        wall(kwargs, 4)  # warm-up: compilation, allocator
+        prefill, _ = wall(kwargs, 1)
+        total, outputs[method] = wall(kwargs, new_tokens)
+        row[f"{method}_decode_s"] = total - prefill
+    row["speedup_vs_compiled_static"] = row["stock_static_decode_s"] / max(row["magicdec_decode_s"], 1e-9)
+    row["identical"] = bool(torch.equal(outputs["stock_static"], outputs["magicdec"]))
+    del model
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return row
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "gpu_check.json"))
@@ -236,13 +289,15 @@ def main(argv=None) -> int:
     parser.add_argument("--contexts", type=int, nargs="+", default=[8192, 32768])
     parser.add_argument("--models", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
     parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--e2e", type=int, nargs=3, default=[32, 32768, 128], metavar=("BATCH", "CONTEXT", "NEW"),
+                        help="end-to-end decode vs compiled stock static cache (llama-3.1-8b shape)")
     args = parser.parse_args(argv)
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if device.type != "cuda" and not args.smoke:
         parser.error("no GPU: run with --smoke (and TRITON_INTERPRET=1) to check the script on CPU")
     if args.smoke:
-        args.layers, args.batches, args.contexts, args.repeats = 1, [2], [256], 2
+        args.layers, args.batches, args.contexts, args.repeats, args.e2e = 1, [2], [256], 2, [2, 256, 8]
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     import transformers
     import triton
@@ -265,6 +320,12 @@ def main(argv=None) -> int:
     for name in args.models:
         report["model"] += model_ratios(name, args.layers, args.batches, args.contexts, device, dtype,
                                         args.repeats, args.smoke)
+    try:
+        report["end_to_end"] = end_to_end("llama-3.1-8b", args.layers, *args.e2e, device, dtype, args.smoke)
+    except torch.OutOfMemoryError as exc:
+        report["end_to_end"] = dict(error=repr(exc)[:200])
+    print(json.dumps(report["end_to_end"]), flush=True)
+
     def headline(graphs: bool):
         return next((r for r in report["model"] if r.get("model") == "llama-3.1-8b" and r.get("batch") == 32
                      and r.get("context") == 32768 and r.get("graphs") is graphs and "tv_over_tt" in r), None)
@@ -278,6 +339,10 @@ def main(argv=None) -> int:
         td512_over_tt=eager and eager["td_over_tt"][512],
         graphs_tv4_over_tt=captured and captured["tv_over_tt"][4],
         graphs_td512_over_tt=captured and captured["td_over_tt"][512],
+        graphs_td512_quantized_over_tt=captured and captured["td_quantized_over_tt"].get(512),
+        quantized_draft_weights=captured and captured["draft_weights"],
+        end_to_end_speedup=report["end_to_end"].get("speedup_vs_compiled_static"),
+        end_to_end_identical=report["end_to_end"].get("identical"),
     )
     report["seconds"] = time.time() - t0
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

@@ -186,6 +186,12 @@ def test_gpu_check_script_runs_on_cpu(tmp_path):
     assert report["verdict"]["correctness"] is True
     assert {r["path"] for r in report["kernel"]} == {"triton", "torch_twin", "stock_sdpa"}
     assert {r["model"] for r in report["model"]} == {"llama-3.1-8b", "qwen2.5-7b"}
+    # The quantized draft (int8 on CPU) is timed beside the full-weight one, and the end-to-end
+    # comparison with stock static-cache generate ran and decoded the same tokens.
+    assert all(r["draft_weights"] == "int8" and r["td_quantized_over_tt"] for r in report["model"] if "graphs" in r
+               and "error" not in r)
+    e2e = report["end_to_end"]
+    assert e2e["identical"] is True and e2e["stock_static_decode_s"] > 0 and e2e["magicdec_decode_s"] > 0
 
 
 def test_kernels_are_custom_ops_that_compile_without_graph_breaks():

@@ -14,6 +14,7 @@ from conftest import EOS, make_model, ragged_prompts
 from hf_magicdec import MagicDecConfig
 from hf_magicdec.engine.cache import MagicDecCache
 from hf_magicdec.parallel.device_map import cache_bytes_per_layer, plan_device_map
+from hf_magicdec.planner import ModelSpec
 
 SPEC = MagicDecConfig(draft="streamingllm", draft_budget=16, gamma=3, sink_tokens=4, prefill_chunk_size=16)
 LAYERS = 4
@@ -167,3 +168,26 @@ def test_plan_device_map_from_config_and_errors():
         plan_device_map(model, 64, 4096, config=SPEC, max_memory={0: 10**6, "cpu": 10**9})
     with pytest.raises(ValueError, match="batch_size"):
         cache_bytes_per_layer(model, 0, 10)
+
+
+def test_plan_device_map_counts_the_quantized_draft_weights():
+    """draft_weights='int8' keeps an int8 copy of every linear layer (and the LM head): the plan
+    charges it, so fewer layers fit where they did with full weights only."""
+    from hf_magicdec.parallel.device_map import draft_weight_bytes
+
+    model = _plain()
+    spec = ModelSpec.from_config(model.config, dtype=torch.float32)
+    per_layer, head = draft_weight_bytes(model, SPEC.replace(draft_weights="int8"), torch.float32)
+    assert per_layer == spec.layer_params and head == spec.vocab * spec.hidden
+    assert draft_weight_bytes(model, SPEC.replace(draft_weights="full"), torch.float32) == (0, 0)
+    layer = sum(p.numel() * p.element_size() for p in model.model.layers[0].parameters())
+    memory = {0: 4 * layer, 1: 4 * layer, "cpu": 10**9}
+    full = plan_device_map(model, 1, 200, config=SPEC.replace(draft_weights="full"), max_memory=memory,
+                           workspace_bytes=0)
+    int8 = plan_device_map(model, 1, 200, config=SPEC.replace(draft_weights="int8"), max_memory=memory,
+                           workspace_bytes=0)
+    assert int8.draft_weight_bytes == LAYERS * per_layer + head and full.draft_weight_bytes == 0
+    assert "quantized draft weights" in int8.summary()
+    on_gpus = [sum(1 for n, d in p.device_map.items() if n.startswith("model.layers") and d in (0, 1))
+               if "" not in p.device_map else LAYERS for p in (full, int8)]
+    assert on_gpus[1] <= on_gpus[0]

@@ -30,7 +30,7 @@ from ..config import AUTO, MagicDecConfig
 from ..planner.modelspec import ModelSpec
 from ..views import available_views
 
-__all__ = ["DeviceMapPlan", "cache_bytes_per_layer", "plan_device_map"]
+__all__ = ["DeviceMapPlan", "cache_bytes_per_layer", "draft_weight_bytes", "plan_device_map"]
 
 # The planner's largest draft budget (``costmodel.planner.DEFAULT_BUDGETS``): what an "auto"
 # budget may grow to.
@@ -69,12 +69,15 @@ class DeviceMapPlan:
     cache_bytes_per_layer: int
     workspace_bytes: int
     offload_buffer_bytes: int = 0
+    draft_weight_bytes: int = 0  # the quantized draft twin's copy of the linear layers (draft_weights=)
     notes: tuple[str, ...] = field(default=())
 
     def summary(self) -> str:
         """One line per device: weights, cache, workspace and capacity."""
         lines = [f"MagicDec cache per layer {_size(self.cache_bytes_per_layer)}; workspace "
                  f"{_size(self.workspace_bytes)} per device that runs layers"]
+        if self.draft_weight_bytes:
+            lines.append(f"quantized draft weights {_size(self.draft_weight_bytes)} beside the layers they copy")
         for device, total in self.max_memory.items():
             weights, cache = self.weight_bytes.get(device, 0), self.cache_bytes.get(device, 0)
             runs = self.layers.get(device, 0) > 0
@@ -181,6 +184,9 @@ def plan_device_map(model_or_config, batch_size: int, context_length: int, *, co
     cfg = config if config is not None else MagicDecConfig()
     model, dtype = _meta_model(model_or_config, dtype)
     per_layer = cache_bytes_per_layer(model, batch_size, context_length, cfg, dtype=dtype)
+    # A quantized self-draft keeps a copy of every layer's linear weights next to them (and of
+    # the LM head next to it, on the main device): charged like the cache.
+    twin_per_layer, twin_head = draft_weight_bytes(model, cfg, dtype)
     memory = get_max_memory(dict(max_memory) if max_memory is not None else None)
     no_split = list(no_split_module_classes if no_split_module_classes is not None
                     else (getattr(model, "_no_split_modules", None) or []))
@@ -192,14 +198,14 @@ def plan_device_map(model_or_config, batch_size: int, context_length: int, *, co
     runners = [d for d in memory if d not in _OFFLOAD] or ["cpu"]
     main = runners[0]
     # Scaling a device's budget by w / (w + c) makes every layer placed there also fit its cache.
-    ratio = layer_weights / (layer_weights + per_layer)
+    ratio = layer_weights / (layer_weights + per_layer + twin_per_layer)
 
     offloaded = 0
     for _ in range(len(layer_names) + 1):
         budget = {}
         for device, total in memory.items():
             if device in runners:
-                room = total - workspace - (offloaded * per_layer if device == main else 0)
+                room = total - workspace - (offloaded * per_layer + twin_head if device == main else 0)
                 budget[device] = max(int(room * ratio), 0)
             else:
                 budget[device] = total
@@ -222,23 +228,47 @@ def plan_device_map(model_or_config, batch_size: int, context_length: int, *, co
     # accelerate keeps one offloaded layer's weights on the main device while it runs.
     buffer = layer_weights if offloaded and main not in _OFFLOAD else 0
     notes = []
+    if cfg.draft_weights == AUTO:
+        notes.append("draft_weights='auto' may add a quantized copy of the linear layers (about "
+                     f"{_size(_twin_per_layer(model, 'int8', dtype) * len(layer_names))} as int8) on a model without "
+                     "accelerate hooks; pass draft_weights='int8' or 'full' to plan for it exactly")
     if offloaded:
         notes.append(f"{offloaded} layers offloaded: their weights cross to {main!r} on every forward, draft "
                      "forwards included, so speculation gains little (docs/multi_gpu.md)")
     for device in runners:
         if not layers[device] and not weight_bytes.get(device, 0):
             continue  # runs nothing
-        need = weight_bytes.get(device, 0) + cache[device] + workspace + (buffer if device == main else 0)
+        twin = layers[device] * twin_per_layer + (twin_head if device == main else 0)
+        need = weight_bytes.get(device, 0) + cache[device] + twin + workspace + (buffer if device == main else 0)
         if device in memory and need > memory[device]:
             raise ValueError(
                 f"device {device!r} needs {_size(need)} (weights {_size(weight_bytes.get(device, 0))}, MagicDec "
-                f"cache {_size(cache[device])} for {layers[device]} layers, workspace {_size(workspace)}) but "
+                f"cache {_size(cache[device])} for {layers[device]} layers, quantized draft weights {_size(twin)}, "
+                f"workspace {_size(workspace)}) but "
                 f"max_memory gives it {_size(memory[device])}: lower {batch_size=} or {context_length=}, or add "
                 "devices."
             )
     return DeviceMapPlan(device_map=dict(device_map), max_memory=dict(memory), weight_bytes=weight_bytes,
                          cache_bytes=cache, layers=layers, cache_bytes_per_layer=per_layer,
-                         workspace_bytes=workspace, offload_buffer_bytes=buffer, notes=tuple(notes))
+                         workspace_bytes=workspace, offload_buffer_bytes=buffer,
+                         draft_weight_bytes=twin_per_layer * len(layer_names) + twin_head, notes=tuple(notes))
+
+
+def draft_weight_bytes(model_or_config, config: MagicDecConfig, dtype: Any = None) -> tuple[int, int]:
+    """``(bytes per decoder layer, bytes of the LM head)`` of the quantized draft twin that
+    ``config.draft_weights`` (``"int8"`` / ``"int4"``) keeps beside the model; ``(0, 0)`` otherwise
+    (``"full"``, and ``"auto"``, which only picks a format for models without device-map hooks)."""
+    if config.draft_weights not in ("int8", "int4"):
+        return 0, 0
+    spec = ModelSpec.from_config(getattr(model_or_config, "config", model_or_config),
+                                 dtype=dtype if dtype is not None else _dtype_of(model_or_config))
+    per_weight = spec.with_weights(config.draft_weights).linear_weight_bytes
+    return int(spec.layer_params * per_weight), int(spec.vocab * spec.hidden * per_weight)
+
+
+def _twin_per_layer(model_or_config, fmt: str, dtype: Any = None) -> int:
+    """Bytes per decoder layer of a draft twin in ``fmt``."""
+    return draft_weight_bytes(model_or_config, MagicDecConfig(draft_weights=fmt), dtype)[0]
 
 
 # ---------------------------------------------------------------------------- helpers
