@@ -115,3 +115,41 @@ def test_compiled_batch_keeps_finished_rows_until_it_halves(fresh_dynamo):
         emitted = 1 + sum(a + 1 for a in accepted)  # the first token, then accepted + 1 per live step
         assert emitted >= generated[row] > emitted - (accepted[-1] + 1 if accepted else 1), (row, accepted)
     assert _graphs(fresh_dynamo) <= 6, dict(fresh_dynamo["stats"])
+
+
+def test_static_buffer_addresses_follow_every_replacement(fresh_dynamo, monkeypatch):
+    """Compiled on CUDA, the KV buffers are marked as static inputs (CUDA graphs then write them in
+    place) after prefill, after the views are built, and again whenever growth or compaction
+    replaces them. Simulated on CPU by forcing the flag: output stays identical, every buffer the
+    steps read is marked, and the graph count stays bounded as without the marks."""
+    from hf_magicdec.engine.cache import MagicDecCache
+
+    marked: list[MagicDecCache] = []
+    original = MagicDecCache._buffers_replaced
+
+    def on_cuda(self):
+        self.static_addresses = True  # what _finish_cache sets for a compiled generation on CUDA
+        marked.append(self)
+        original(self)
+
+    monkeypatch.setattr(MagicDecCache, "_buffers_replaced", on_cuda)
+    model = make_model("llama-gqa3")
+    ids, mask = ragged_prompts(batch=3, length=24, seed=1)
+    kwargs = dict(input_ids=ids, attention_mask=mask, max_new_tokens=40, do_sample=False, eos_token_id=EOS)
+    reference = model.generate(**kwargs)
+    seen = []
+    step = MagicDecCache.begin_verify
+
+    def check(self, *args, **kwargs):
+        for layer in self.layers:
+            for t in (layer.keys, layer.values, layer.draft_keys, layer.draft_values):
+                if t is not None and t.numel():
+                    seen.append(getattr(t, "_dynamo_static_input_type", None) is not None)
+        return step(self, *args, **kwargs)
+
+    monkeypatch.setattr(MagicDecCache, "begin_verify", check)
+    out = model.generate(**kwargs, speculative="magicdec", draft="streamingllm", sink_tokens=2, draft_budget=12,
+                         gamma=3, compile=CAPTURE)
+    assert torch.equal(reference, out)
+    assert len(marked) >= 3 and seen and all(seen)  # prefill, views, growth/compaction
+    assert 2 <= _graphs(fresh_dynamo) <= 6, dict(fresh_dynamo["stats"])

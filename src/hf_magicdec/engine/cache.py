@@ -145,6 +145,10 @@ class MagicDecCache(Cache):
         # scratch, the full cache up to its capacity), masked by their key ranges, so a captured
         # graph sees the same shapes at every step (it changes only when the cache grows).
         self.fixed_shapes = False
+        # Compiled on CUDA: the KV buffers are marked as static inputs (mark_static_addresses) each
+        # time they are replaced, so CUDA graphs read and write them in place instead of copying
+        # the whole cache into the graph's own input buffers at every step.
+        self.static_addresses = False
         # Per-row tensors of query-aware views and refresh, keyed (name, layer or -1); they follow select_rows.
         self.row_state: dict[tuple[str, int], torch.Tensor] = {}
         self.refresher: Refresher | None = None  # refresh_every / refresh_below (hf_magicdec.engine.refresh)
@@ -180,6 +184,7 @@ class MagicDecCache(Cache):
         self.capacity = capacity
         self.max_capacity = max(self.max_capacity, capacity)
         self.growths += 1
+        self._buffers_replaced()
         return True
 
     def _on(self, name: str, tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -260,11 +265,16 @@ class MagicDecCache(Cache):
         """Key slots a draft forward writing draft slots up to ``end`` attends over."""
         return self.static_slots + self.window_slots + self.gamma + 1 if self.fixed_shapes else end
 
+    def _buffers_replaced(self) -> None:
+        if self.static_addresses:
+            self.mark_static_addresses()
+
     def mark_static_addresses(self) -> None:
         """Tell ``torch.compile`` that the full and draft KV buffers keep their addresses, so CUDA
         graphs (``mode="reduce-overhead"``) may capture steps that write them in place. Valid until
-        the buffers are replaced (``reserve`` growth, ``select_rows``): step timing uses it on a
-        cache that never grows; generation does not yet (see docs/configuration.md)."""
+        the buffers are replaced (``reserve`` growth, ``select_rows``, new views), which mark the
+        new ones again when ``static_addresses`` is set (compiled generation on CUDA); those
+        events change the buffers' shapes too, so they cost no recompilation of their own."""
         for layer in self.layers:
             for buffer in (layer.keys, layer.values, getattr(layer, "draft_keys", None),
                            getattr(layer, "draft_values", None)):
@@ -389,6 +399,7 @@ class MagicDecCache(Cache):
         view.prepare(self, config, prompt_slots)  # e.g. dynamic's page summaries
         self.refresher = Refresher.create(view, config, self)
         self._mode = None
+        self._buffers_replaced()
 
     def _build_layer_view(self, layer, view, config, prompt_slots, valid, candidate, ring_src, is_static) -> None:
         keys, values = layer.keys, layer.values
@@ -516,6 +527,7 @@ class MagicDecCache(Cache):
         self.num_rows = int(rows.numel())
         self._max_len = max_length if max_length is not None else self._read_max_length()
         self._memo.clear()
+        self._buffers_replaced()
 
     # Generic Cache API that would silently corrupt ragged state: refuse loudly.
     def crop(self, max_length: int):

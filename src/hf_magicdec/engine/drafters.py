@@ -180,6 +180,7 @@ class ModelDrafter:
                                self.view.observation_window(), self.position_limit)
         prefill(self.call, self.cache, input_ids, position_ids, self.chunk)
         self.cache.fixed_shapes = self.call.compiled is not None
+        self.cache.static_addresses = self.call.compiled is not None and input_ids.device.type == "cuda"
         # One scratch slot more than γ: the first step of a round re-feeds the token at C - 1.
         self.cache.build_draft_views(self.view, self.config, prompt, max_new_tokens, scratch=scratch + 1)
         if not self.view.query_aware:  # a query-aware view (dynamic) refills from the full cache

@@ -177,6 +177,9 @@ class Engine:
     def _finish_cache(self, max_capacity: int) -> None:
         self.cache.max_capacity = max(self.cache.capacity, max_capacity)
         self.cache.fixed_shapes = self.call.compiled is not None  # compiled steps: same shapes every step
+        # CUDA graphs read and write the KV buffers in place (no per-step copy into graph inputs).
+        self.cache.static_addresses = self.call.compiled is not None and self.cache.lengths.device.type == "cuda"
+        self.cache._buffers_replaced()
 
     def _choose(self, b: _Rows, logits: torch.Tensor):
         """The first token of every row from its last prompt logits ``[B, 1, V]``."""
