@@ -256,7 +256,7 @@ def end_to_end(name, layers, batch, context, new_tokens, device, dtype, smoke) -
                          compile=device.type == "cuda", draft_weights="full"),
     }
 
-    def wall(kwargs, n):
+    def wall(kwargs, n, model=model):
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         t = time.perf_counter()
