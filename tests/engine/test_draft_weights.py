@@ -229,3 +229,10 @@ def test_measure_steps_times_the_quantized_draft():
     assert st.draft_weights == "int8" and set(st.t_draft_quantized) == {16}
     kinds = [(m.kind, m.weights) for m in st.measurements()]
     assert ("draft", "int8") in kinds and ("draft", "full") in kinds
+
+
+def test_int8_is_refused_on_cpu_once_pytorch_drops_its_quantized_linear(monkeypatch):
+    monkeypatch.setattr(dw, "_cpu_int8_kernel", lambda: False)
+    assert dw.supported_formats(CPU) == () and dw.feasible_formats(make_model("llama-gqa3"), CPU) == ()
+    with pytest.raises(ValueError, match="not available on cpu"):
+        dw.check_draft_weights(make_model("llama-gqa3"), "int8", CPU)

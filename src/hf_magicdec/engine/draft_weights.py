@@ -72,11 +72,17 @@ class DraftTwin:
 def supported_formats(device: torch.device) -> tuple[str, ...]:
     """Quantized draft-weight formats with a kernel on ``device`` (``()``: none)."""
     if device.type == "cpu":
-        return ("int8",) if "fbgemm" in torch.backends.quantized.supported_engines or \
-            "qnnpack" in torch.backends.quantized.supported_engines else ()
+        engines = torch.backends.quantized.supported_engines
+        return ("int8",) if _cpu_int8_kernel() and ("fbgemm" in engines or "qnnpack" in engines) else ()
     if device.type == "cuda" and importlib.util.find_spec("torchao") is not None:
         return ("int8", "int4")
     return ()
+
+
+def _cpu_int8_kernel() -> bool:
+    """PyTorch's dynamic int8 linear is still there (its quantized tensors are deprecated upstream:
+    once a release drops them, int8 is refused on CPU instead of failing mid-call)."""
+    return getattr(getattr(getattr(torch.ao.nn, "quantized", None), "dynamic", None), "Linear", None) is not None
 
 
 def check_draft_weights(model, fmt: str, device: torch.device, draft_model=None) -> None:
