@@ -149,14 +149,19 @@ def snapkv_mass(
     query_slot = slots - window + torch.arange(window, device=dev).repeat(group)  # [g*w]
     key_slot = torch.arange(slots, device=dev)
     pad = pad.to(dev)
-    allowed = (key_slot[None, None, :] <= query_slot[None, :, None]) & (key_slot[None, None, :] >= pad[:, None, None])
     query_ok = query_slot[None, :] >= pad[:, None]  # [B, g*w]
+    # Keys a query may not see; a padding query blocks nothing (no all -inf row, so no NaN) and is
+    # weighted 0 in the sum below.
+    blocked = ((key_slot[None, None, :] > query_slot[None, :, None]) | (key_slot[None, None, :] < pad[:, None, None]))
+    blocked &= query_ok[:, :, None]
+    weights = query_ok.float()[:, None, :]  # [B, 1, g*w]
     out = torch.empty((batch, kv_heads, slots), dtype=torch.float32, device=dev)
-    # One KV head at a time: the logits never exceed [B, g*w, S] (not [B, H, w, S]).
+    # One KV head at a time: the logits never exceed [B, g*w, S] (not [B, H, w, S]). The scale is
+    # applied to the queries, and the mask and the sum over queries are single passes (this runs
+    # once per layer when the views are built, over the whole prompt).
     for h in range(kv_heads):
-        q = queries[:, h * group : (h + 1) * group].float().reshape(batch, group * window, head_dim)
-        logits = torch.matmul(q, keys[:, h].float().transpose(-1, -2)) * scaling  # [B, g*w, S]
-        probs = torch.softmax(logits.masked_fill(~allowed, float("-inf")), dim=-1)
-        probs = torch.where(query_ok[:, :, None], probs, torch.zeros((), device=dev))  # NaN rows of padding
-        out[:, h] = probs.sum(dim=1)
+        q = queries[:, h * group : (h + 1) * group].float().reshape(batch, group * window, head_dim) * scaling
+        logits = torch.matmul(q, keys[:, h].float().transpose(-1, -2))  # [B, g*w, S]
+        probs = torch.softmax(logits.masked_fill_(blocked, float("-inf")), dim=-1)
+        out[:, h] = torch.bmm(weights, probs)[:, 0]
     return out
