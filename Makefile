@@ -24,13 +24,19 @@ OFFLINE = HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TOKENIZERS_PARALLELISM=false PI
 
 install: $(VENV)/.installed
 
+# One venv: $(1) its folder, $(2) the name of the variable holding its transformers requirement (a
+# name, because a requirement such as ">=5.23,<6" has a comma, which $(call) would split on).
+define make_venv
+	$(PYTHON) -m venv $(1)
+	$(1)/bin/python -m pip install -q --upgrade pip
+	$(1)/bin/python -m pip install -q "$(TORCH_SPEC)" "$($(2))"
+	$(1)/bin/python -m pip install -q -e ".[test,bench]"
+	$(1)/bin/python -m pip install -q --no-deps --require-hashes -r $(ASSETS)
+	touch $(1)/.installed
+endef
+
 $(VENV)/.installed: pyproject.toml Makefile $(ASSETS)
-	$(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q "$(TORCH_SPEC)" "$(TRANSFORMERS_SPEC)"
-	$(BIN)/python -m pip install -q -e ".[test,bench]"
-	$(BIN)/python -m pip install -q --no-deps --require-hashes -r $(ASSETS)
-	touch $@
+	$(call make_venv,$(VENV),TRANSFORMERS_SPEC)
 
 demo: install
 	$(OFFLINE) $(BIN)/python -m hf_magicdec_bench.demo
@@ -46,12 +52,7 @@ install-newest: $(NEWEST_VENV)/.installed
 	$(NEWEST_BIN)/python -c "import torch, transformers; print('test-newest: torch', torch.__version__, 'transformers', transformers.__version__)"
 
 $(NEWEST_VENV)/.installed: pyproject.toml Makefile $(ASSETS)
-	$(PYTHON) -m venv $(NEWEST_VENV)
-	$(NEWEST_BIN)/python -m pip install -q --upgrade pip
-	$(NEWEST_BIN)/python -m pip install -q "$(TORCH_SPEC)" "$(TRANSFORMERS_NEWEST)"
-	$(NEWEST_BIN)/python -m pip install -q -e ".[test,bench]"
-	$(NEWEST_BIN)/python -m pip install -q --no-deps --require-hashes -r $(ASSETS)
-	touch $@
+	$(call make_venv,$(NEWEST_VENV),TRANSFORMERS_NEWEST)
 
 # The whole suite, not a subset: what breaks on a new transformers is spread over the routing, the
 # attention and cache seams, the architecture sweep, the real-model and docs tests alike, and two

@@ -23,16 +23,9 @@ VIEWS = {"snapkv": dict(window=8), "dynamic": dict(sink_tokens=1, page_size=4, r
          "streamingllm": dict(sink_tokens=2)}
 
 
-@pytest.fixture(scope="module")
-def models():
-    built = {}
-
-    def get(arch: str):
-        if arch not in built:
-            built[arch] = make_model(arch)
-        return built[arch]
-
-    return get
+@pytest.fixture
+def models(tiny_models):
+    return tiny_models  # conftest's session-wide tiny models (every call here sets view, budget and γ)
 
 
 def _prefilled(model, ids, mask, cached: int, cache=None):
@@ -210,7 +203,7 @@ def _other_depth():
     ("short_static", "max_cache_len >= 45"),
     ("heads", "layer 0 holds 4 KV heads and the model has 2"),
 ])
-def test_mismatched_cache_refused_before_any_forward(models, monkeypatch, problem, match):
+def test_mismatched_cache_refused_before_any_forward(models, problem, match):
     model = models("llama-gqa3")
     ids, mask = ragged_prompts(batch=3, length=36, seed=12)
     kwargs = dict(input_ids=ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False, **SPEC)
@@ -229,9 +222,13 @@ def test_mismatched_cache_refused_before_any_forward(models, monkeypatch, proble
     else:
         kwargs["past_key_values"] = _prefilled(models("mistral-mha"), ids, mask, 30)
     calls = []
-    monkeypatch.setattr(model, "forward", lambda *a, **k: calls.append(1))
-    with pytest.raises(ValueError, match=match):
-        model.generate(**kwargs)
+    # A hook, not a patched forward: the model is shared by the session and must be left as it was.
+    handle = model.register_forward_pre_hook(lambda *a: calls.append(1))
+    try:
+        with pytest.raises(ValueError, match=match):
+            model.generate(**kwargs)
+    finally:
+        handle.remove()
     assert not calls, "a forward ran before the error"
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import gc
 
 import pytest
@@ -138,7 +139,8 @@ def test_quantized_draft_with_a_draft_model_or_hooked_model_is_refused():
     small = make_model("llama-gqa3", seed=2)
     with pytest.raises(ValueError, match="separate model"):
         dw.check_draft_weights(model, "int8", CPU, draft_model=small)
-    model.model.layers[0].forward = model.model.layers[0].forward  # a patched forward, as accelerate leaves
+    layer = model.model.layers[0]
+    layer.forward = functools.partial(type(layer).forward, layer)  # a patched forward, as accelerate's hooks leave
     with pytest.raises(ValueError, match="patched forward"):
         dw.check_draft_weights(model, "int8", CPU)
     assert dw.feasible_formats(model, CPU) == ()
@@ -236,3 +238,24 @@ def test_int8_is_refused_on_cpu_once_pytorch_drops_its_quantized_linear(monkeypa
     assert dw.supported_formats(CPU) == () and dw.feasible_formats(make_model("llama-gqa3"), CPU) == ()
     with pytest.raises(ValueError, match="not available on cpu"):
         dw.check_draft_weights(make_model("llama-gqa3"), "int8", CPU)
+
+
+def test_a_forward_rebound_to_its_own_module_is_not_a_patch():
+    """``monkeypatch.setattr(model, "forward", ...)`` leaves the class's forward bound to the model
+    in its ``__dict__`` when undone: not a patch, and the twin must not inherit it (it would run the
+    model's full-weight forward)."""
+    model = make_model("llama-gqa3", seed=7)
+    model.forward = model.forward  # what monkeypatch's undo leaves behind
+    dw.check_draft_weights(model, "int8", CPU)
+    twin = dw.draft_twin(model, "int8").module
+    assert "forward" not in vars(twin)
+    calls = []
+    handle = model.lm_head.register_forward_hook(lambda *a: calls.append(1))
+    try:
+        twin(input_ids=torch.tensor([[3, 4, 5]]))
+    finally:
+        handle.remove()
+    assert not calls  # the twin ran its own (quantized) layers
+    model.forward = lambda *a, **k: None  # a real patch is still refused
+    with pytest.raises(ValueError, match="patched forward"):
+        dw.check_draft_weights(model, "int8", CPU)

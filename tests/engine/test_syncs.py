@@ -61,7 +61,7 @@ def test_one_host_read_per_step(monkeypatch):
     assert all(len(a) == len(g) for a, g in zip(out.speculation.accepted_lengths, out.speculation.row_gammas))
 
 
-def test_returning_the_cache_costs_reads_per_generation_not_per_step():
+def test_returning_the_cache_costs_reads_per_generation_not_per_step(monkeypatch):
     """Handing the cache back (return_dict_in_generate) reads the device a bounded number of
     times: when rows leave the batch and once at the end (the tail forward of rows that ended
     early included), whatever the number of steps."""
@@ -71,11 +71,7 @@ def test_returning_the_cache_costs_reads_per_generation_not_per_step():
     options = dict(draft="streamingllm", draft_budget=12, sink_tokens=2, gamma=3)
     with_cache, steps, out = _reads_and_steps(model, 60, **options)
     assert out.past_key_values is not None
-    original = hf_magicdec.api.outlives_call
-    hf_magicdec.api.outlives_call = lambda cache, gen: False
-    try:
-        without, same_steps, _ = _reads_and_steps(model, 60, **options)
-    finally:
-        hf_magicdec.api.outlives_call = original
+    monkeypatch.setattr(hf_magicdec.api, "outlives_call", lambda cache, gen: False)
+    without, same_steps, _ = _reads_and_steps(model, 60, **options)
     assert same_steps == steps
     assert 0 <= with_cache - without <= 4 + 4 * 2, (with_cache, without)  # 4 rows

@@ -177,9 +177,9 @@ def test_plan_device_map_counts_the_quantized_draft_weights():
 
     model = _plain()
     spec = ModelSpec.from_config(model.config, dtype=torch.float32)
-    per_layer, head = draft_weight_bytes(model, SPEC.replace(draft_weights="int8"), torch.float32)
+    per_layer, head = draft_weight_bytes(model, "int8", torch.float32)
     assert per_layer == spec.layer_params and head == spec.vocab * spec.hidden
-    assert draft_weight_bytes(model, SPEC.replace(draft_weights="full"), torch.float32) == (0, 0)
+    assert draft_weight_bytes(model, "full", torch.float32) == (0, 0)
     layer = sum(p.numel() * p.element_size() for p in model.model.layers[0].parameters())
     memory = {0: 4 * layer, 1: 4 * layer, "cpu": 10**9}
     full = plan_device_map(model, 1, 200, config=SPEC.replace(draft_weights="full"), max_memory=memory,

@@ -99,7 +99,7 @@ def check_draft_weights(model, fmt: str, device: torch.device, draft_model=None)
         raise ValueError(f"draft_weights={fmt!r} is not available on {device.type} ({hint}); "
                          f"available: {['full', *available]}.")
     for name, module in model.named_modules():
-        if hasattr(module, "_hf_hook") or "forward" in vars(module):
+        if hasattr(module, "_hf_hook") or _patched_forward(module):
             raise ValueError(f"draft_weights={fmt!r} needs a model whose forwards are its own; module {name!r} carries "
                              "an accelerate hook or a patched forward (device_map offloading?). Use draft_weights='full'.")
     linears = [(n, m) for n, m in model.named_modules() if type(m) is nn.Linear]
@@ -112,6 +112,18 @@ def check_draft_weights(model, fmt: str, device: torch.device, draft_model=None)
             raise ValueError(f"draft_weights={fmt!r}: {name}.weight is {type(weight.data).__name__} "
                              f"{weight.dtype} on {weight.device}; only dense floating-point weights can be quantized "
                              "(sharded, offloaded or quantized models: use draft_weights='full').")
+
+
+def _patched_forward(module: nn.Module) -> bool:
+    """Whether ``module`` carries a forward of its own (accelerate's hooks, a user's patch); its
+    class's forward bound to itself (what ``monkeypatch`` leaves behind) is not one."""
+    own = vars(module).get("forward")
+    return own is not None and not _rebound_class_forward(module, own)
+
+
+def _rebound_class_forward(module: nn.Module, forward) -> bool:
+    return getattr(forward, "__self__", None) is module and \
+        getattr(forward, "__func__", None) is getattr(type(module), "forward", None)
 
 
 def feasible_formats(model, device: torch.device, draft_model=None) -> tuple[str, ...]:
@@ -152,6 +164,8 @@ def _make_twin(model, fmt: str, source: tuple) -> DraftTwin:
             return made[-1]
         clone = copy.copy(module)  # shares parameters, buffers, config and hooks; new child dict below
         clone.__dict__.pop("_compiled_call", None)  # transformers' cached torch.compile of the model
+        if _rebound_class_forward(module, vars(module).get("forward")):
+            del clone.__dict__["forward"]  # bound to the model: the twin would run the model's own forward
         clone._modules = {name: (twin_of(child) if child is not None else None)
                           for name, child in module._modules.items()}
         return clone
@@ -202,9 +216,9 @@ def _torchao(fmt: str):
 def _quantized_bytes(module: nn.Module) -> int:
     if isinstance(module, _DynamicInt8Linear):
         weight, bias = module.inner._packed_params._weight_bias()
-        scales = weight.q_per_channel_scales() if weight.qscheme() in (torch.per_channel_affine,
-                                                                         torch.per_channel_symmetric) else None
-        return weight.numel() + (0 if bias is None else bias.numel() * 4) + (0 if scales is None else scales.numel() * 12)
+        per_channel = weight.qscheme() in (torch.per_channel_affine, torch.per_channel_symmetric)
+        extra = [weight.q_per_channel_scales(), weight.q_per_channel_zero_points()] if per_channel else []
+        return weight.numel() + sum(_tensor_bytes(t) for t in ([bias] if bias is not None else []) + extra)
     return sum(_tensor_bytes(t) for t in [*module.parameters(), *module.buffers()])
 
 

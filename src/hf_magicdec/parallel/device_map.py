@@ -186,7 +186,7 @@ def plan_device_map(model_or_config, batch_size: int, context_length: int, *, co
     per_layer = cache_bytes_per_layer(model, batch_size, context_length, cfg, dtype=dtype)
     # A quantized self-draft keeps a copy of every layer's linear weights next to them (and of
     # the LM head next to it, on the main device): charged like the cache.
-    twin_per_layer, twin_head = draft_weight_bytes(model, cfg, dtype)
+    twin_per_layer, twin_head = draft_weight_bytes(model, cfg.draft_weights, dtype)
     memory = get_max_memory(dict(max_memory) if max_memory is not None else None)
     no_split = list(no_split_module_classes if no_split_module_classes is not None
                     else (getattr(model, "_no_split_modules", None) or []))
@@ -230,7 +230,7 @@ def plan_device_map(model_or_config, batch_size: int, context_length: int, *, co
     notes = []
     if cfg.draft_weights == AUTO:
         notes.append("draft_weights='auto' may add a quantized copy of the linear layers (about "
-                     f"{_size(_twin_per_layer(model, 'int8', dtype) * len(layer_names))} as int8) on a model without "
+                     f"{_size(draft_weight_bytes(model, 'int8', dtype)[0] * len(layer_names))} as int8) on a model without "
                      "accelerate hooks; pass draft_weights='int8' or 'full' to plan for it exactly")
     if offloaded:
         notes.append(f"{offloaded} layers offloaded: their weights cross to {main!r} on every forward, draft "
@@ -254,21 +254,16 @@ def plan_device_map(model_or_config, batch_size: int, context_length: int, *, co
                          draft_weight_bytes=twin_per_layer * len(layer_names) + twin_head, notes=tuple(notes))
 
 
-def draft_weight_bytes(model_or_config, config: MagicDecConfig, dtype: Any = None) -> tuple[int, int]:
+def draft_weight_bytes(model_or_config, draft_weights: str, dtype: Any = None) -> tuple[int, int]:
     """``(bytes per decoder layer, bytes of the LM head)`` of the quantized draft twin that
-    ``config.draft_weights`` (``"int8"`` / ``"int4"``) keeps beside the model; ``(0, 0)`` otherwise
+    ``draft_weights`` (``"int8"`` / ``"int4"``) keeps beside the model; ``(0, 0)`` otherwise
     (``"full"``, and ``"auto"``, which only picks a format for models without device-map hooks)."""
-    if config.draft_weights not in ("int8", "int4"):
+    if draft_weights not in ("int8", "int4"):
         return 0, 0
     spec = ModelSpec.from_config(getattr(model_or_config, "config", model_or_config),
                                  dtype=dtype if dtype is not None else _dtype_of(model_or_config))
-    per_weight = spec.with_weights(config.draft_weights).linear_weight_bytes
+    per_weight = spec.with_weights(draft_weights).linear_weight_bytes
     return int(spec.layer_params * per_weight), int(spec.vocab * spec.hidden * per_weight)
-
-
-def _twin_per_layer(model_or_config, fmt: str, dtype: Any = None) -> int:
-    """Bytes per decoder layer of a draft twin in ``fmt``."""
-    return draft_weight_bytes(model_or_config, MagicDecConfig(draft_weights=fmt), dtype)[0]
 
 
 # ---------------------------------------------------------------------------- helpers
