@@ -242,9 +242,24 @@ def model_ratios(name, layers, batches, contexts, device, dtype, repeats, smoke)
 def end_to_end(name, layers, batch, context, new_tokens, device, dtype, smoke) -> dict:
     """Decode time of MagicDec (``compile=`` as ``"auto"`` runs it on CUDA) against stock
     ``generate(cache_implementation="static")`` (which transformers compiles itself on CUDA), same
-    random prompts, same run: each method's wall time for ``new_tokens`` minus its time for one
-    token (the prefill), after one warm-up call that pays the compilation."""
+    random prompts, same run, after one warm-up call each that pays the compilation. Decode is
+    timed directly, from the first generated token to the end of ``generate``, by a streamer that
+    both methods feed (one host copy of the new tokens per step, for both)."""
+    from transformers.generation.streamers import BaseStreamer
+
     import hf_magicdec  # noqa: F401  (the speculative= routing)
+
+    class DecodeClock(BaseStreamer):
+        def __init__(self):
+            self.puts, self.first, self.stop = 0, None, None
+
+        def put(self, value):
+            self.puts += 1
+            if self.puts == 2:  # the first put is the prompt, the second the first new token(s)
+                self.first = time.perf_counter()
+
+        def end(self):
+            self.stop = time.perf_counter()
 
     model = build_model(name, layers, dtype, device, smoke)
     g = torch.Generator(device="cpu").manual_seed(0)
@@ -256,22 +271,14 @@ def end_to_end(name, layers, batch, context, new_tokens, device, dtype, smoke) -
                          compile=device.type == "cuda", draft_weights="full"),
     }
 
-    def wall(kwargs, n, model=model):
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        t = time.perf_counter()
-        out = model.generate(**common, **kwargs, max_new_tokens=n, min_new_tokens=n)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        return time.perf_counter() - t, out
-
     row = dict(model=name, layers=layers, batch=batch, context=context, new_tokens=new_tokens)
     outputs = {}
     for method, kwargs in methods.items():
-        wall(kwargs, 4)  # warm-up: compilation, allocator
-        prefill, _ = wall(kwargs, 1)
-        total, outputs[method] = wall(kwargs, new_tokens)
-        row[f"{method}_decode_s"] = total - prefill
+        model.generate(**common, **kwargs, max_new_tokens=4, min_new_tokens=4)  # warm-up: compilation, allocator
+        clock = DecodeClock()
+        outputs[method] = model.generate(**common, **kwargs, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                                         streamer=clock)
+        row[f"{method}_decode_s"] = clock.stop - clock.first
     row["speedup_vs_compiled_static"] = row["stock_static_decode_s"] / max(row["magicdec_decode_s"], 1e-9)
     row["identical"] = bool(torch.equal(outputs["stock_static"], outputs["magicdec"]))
     del model
