@@ -20,4 +20,4 @@ MAX_GAMMA = 32
 
 #: ``MagicDecConfig.draft_weights``: the self-draft's linear layers in full precision, or quantized
 #: copies (``hf_magicdec.engine.draft_weights``); ``"auto"``: the planner chooses per call.
-DRAFT_WEIGHT_FORMATS = ("full", "int8", "int4", AUTO)
+DRAFT_WEIGHT_FORMATS = ("full", "int8", "fp16", "int4", AUTO)

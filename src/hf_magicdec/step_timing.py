@@ -150,7 +150,7 @@ def measure_steps(
         ``mode="reduce-overhead"`` captures CUDA graphs). None: eager. The first (warm-up) round
         includes the compilation.
     draft_weights : str
-        ``"int8"`` / ``"int4"``: also time the draft steps on the model's quantized twin
+        ``"int8"`` / ``"fp16"`` / ``"int4"``: also time the draft steps on the model's quantized twin
         (:mod:`hf_magicdec.engine.draft_weights`; ``StepTimes.t_draft_quantized``), as
         ``draft_weights=`` runs them. ``"full"``: the full-precision draft only.
 

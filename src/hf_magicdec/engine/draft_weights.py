@@ -12,10 +12,19 @@ it. A twin whose source weights were replaced or modified in place since it was 
 Formats and kernels (chosen by speed measured on this project's CPUs, ``docs/benchmarks.md``):
 
 ``"int8"`` on CPU
-    PyTorch's dynamically quantized linear (``torch.ao.nn.quantized.dynamic.Linear``: int8
-    per-channel weights, activations quantized per call; fbgemm / oneDNN / QNNPACK GEMMs). At batch
-    8 the SmolLM2 LM head (576 → 49,152) costs 12 ms in fp32 and 0.9–2.6 ms this way; torchao's int8
-    configs run eagerly at several times the fp32 cost on CPU, so they are not used there.
+    PyTorch's dynamically quantized linear (``quantized::linear_dynamic``, the op behind
+    ``torch.ao.nn.quantized.dynamic.Linear``: int8 per-channel weights, activations quantized per
+    call; fbgemm / oneDNN / QNNPACK GEMMs). At batch 8 the SmolLM2 LM head (576 → 49,152) costs
+    12 ms in fp32 and 0.9–2.6 ms this way; torchao's int8 configs run eagerly at several times the
+    fp32 cost on CPU, and ``torch._weight_int8pack_mm`` (weight-only, AVX2 machines) 6x the fp32
+    cost, so neither is used there. The 7-bit activations cost acceptance: 0.05-0.08 below the
+    full-weight draft on SmolLM2 at batch 8.
+``"fp16"`` on CPU (x86, fbgemm)
+    fbgemm's fp16-weight linear (``quantized::linear_dynamic_fp16``): half the bytes of fp32
+    weights, computed in fp32 with no activation quantization (2e-4 relative error), so the draft
+    accepts as the full-weight one does. On 2 AVX2 cores at batch 8 its draft forward is as fast as
+    int8's (the draft is bound by the cost of its thousands of small operator calls there, not by
+    weight bytes).
 ``"int8"`` / ``"int4"`` on CUDA
     torchao's weight-only configs (``Int8WeightOnlyConfig`` / ``Int4WeightOnlyConfig``), when
     torchao is installed. Not yet measured on a GPU.
@@ -42,7 +51,7 @@ __all__ = ["QUANTIZED_FORMATS", "DraftTwin", "check_draft_weights", "draft_twin"
            "supported_formats"]
 
 #: The quantized values of ``MagicDecConfig.draft_weights``.
-QUANTIZED_FORMATS = ("int8", "int4")
+QUANTIZED_FORMATS = ("int8", "fp16", "int4")
 
 # model -> {format: DraftTwin}. Weak keys: the twin holds no reference to the model object itself
 # (only to its parameters), so the entry and the quantized copy go when the model does.
@@ -73,7 +82,9 @@ def supported_formats(device: torch.device) -> tuple[str, ...]:
     """Quantized draft-weight formats with a kernel on ``device`` (``()``: none)."""
     if device.type == "cpu":
         engines = torch.backends.quantized.supported_engines
-        return ("int8",) if _cpu_int8_kernel() and ("fbgemm" in engines or "qnnpack" in engines) else ()
+        int8 = _cpu_int8_kernel() and ("fbgemm" in engines or "qnnpack" in engines)
+        fp16 = _cpu_op("linear_prepack_fp16", "linear_dynamic_fp16") and "fbgemm" in engines
+        return ("int8",) * int8 + ("fp16",) * fp16
     if device.type == "cuda" and importlib.util.find_spec("torchao") is not None:
         return ("int8", "int4")
     return ()
@@ -82,7 +93,14 @@ def supported_formats(device: torch.device) -> tuple[str, ...]:
 def _cpu_int8_kernel() -> bool:
     """PyTorch's dynamic int8 linear is still there (its quantized tensors are deprecated upstream:
     once a release drops them, int8 is refused on CPU instead of failing mid-call)."""
-    return getattr(getattr(getattr(torch.ao.nn, "quantized", None), "dynamic", None), "Linear", None) is not None
+    return _cpu_op("linear_prepack", "linear_dynamic") and hasattr(torch, "quantize_per_channel")
+
+
+def _cpu_op(*names: str) -> bool:
+    try:
+        return all(hasattr(torch.ops.quantized, op) for op in names)
+    except (AttributeError, RuntimeError):
+        return False
 
 
 def check_draft_weights(model, fmt: str, device: torch.device, draft_model=None) -> None:
@@ -94,8 +112,10 @@ def check_draft_weights(model, fmt: str, device: torch.device, draft_model=None)
                          "is a separate model (quantize it yourself, or drop draft_model).")
     available = supported_formats(device)
     if fmt not in available:
-        hint = ("install torchao for int8/int4 draft weights on CUDA" if device.type == "cuda"
-                else "CPUs have an int8 kernel only" if available else f"no quantized kernel on {device.type}")
+        hint = ("install torchao for int8/int4 draft weights on CUDA" if device.type == "cuda" and fmt != "fp16"
+                else "fp16 draft weights are a CPU format (fbgemm); a GPU model is usually 16-bit already"
+                if device.type == "cuda" else f"this CPU has kernels for {list(available)}" if available
+                else f"no quantized kernel on {device.type}")
         raise ValueError(f"draft_weights={fmt!r} is not available on {device.type} ({hint}); "
                          f"available: {['full', *available]}.")
     for name, module in model.named_modules():
@@ -155,7 +175,7 @@ def _source(model) -> tuple:
 
 def _make_twin(model, fmt: str, source: tuple) -> DraftTwin:
     device = next(model.parameters()).device
-    quantize = _cpu_int8 if device.type == "cpu" else _torchao(fmt)
+    quantize = {"int8": _DynamicInt8Linear, "fp16": _Fp16Linear}[fmt] if device.type == "cpu" else _torchao(fmt)
     made: list[nn.Module] = []
 
     def twin_of(module: nn.Module) -> nn.Module:
@@ -178,23 +198,46 @@ def _make_twin(model, fmt: str, source: tuple) -> DraftTwin:
 
 
 class _DynamicInt8Linear(nn.Module):
-    """PyTorch's dynamically quantized int8 linear, fed float32 whatever the model's dtype."""
+    """PyTorch's dynamically quantized int8 linear (``quantized::linear_dynamic``: int8 weights per
+    output channel, activations quantized per call, 7-bit as ``torch.ao``'s module runs them so
+    fbgemm's int16 accumulation never saturates), fed float32 whatever the model's dtype.
+
+    The weight is quantized as ``torch.ao.nn.quantized.dynamic.Linear.from_float`` does it (the
+    per-channel symmetric observer of ``per_channel_dynamic_qconfig``), and packed once: that
+    module packs a zero weight of the full size first, which tripled the twin's build time."""
 
     def __init__(self, linear: nn.Linear):
         super().__init__()
-        from_float = copy.copy(linear)  # from_float reads the qconfig off the module
-        from_float.qconfig = torch.ao.quantization.per_channel_dynamic_qconfig  # per output row: closer drafts
+        weight = linear.weight.detach().float()
+        observer = torch.ao.quantization.per_channel_dynamic_qconfig.weight()
+        observer(weight)
+        scale, zero_point = observer.calculate_qparams()
         with warnings.catch_warnings():  # quantized tensors are deprecated upstream; still the fastest CPU path
             warnings.simplefilter("ignore")
-            self.inner = torch.ao.nn.quantized.dynamic.Linear.from_float(from_float.float())
+            qweight = torch.quantize_per_channel(weight, scale.double(), zero_point.long(), 0, torch.qint8)
+        bias = linear.bias.detach().float() if linear.bias is not None else None
+        self._packed = torch.ops.quantized.linear_prepack(qweight, bias)
         self.out_features = linear.out_features
+        extra = (scale, zero_point, *([bias] if bias is not None else []))
+        self.nbytes = qweight.numel() + sum(_tensor_bytes(t) for t in extra)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.inner(x.float()).to(x.dtype)
+        return torch.ops.quantized.linear_dynamic(x.float(), self._packed, reduce_range=True).to(x.dtype)
 
 
-def _cpu_int8(linear: nn.Linear) -> nn.Module:
-    return _DynamicInt8Linear(linear)
+class _Fp16Linear(nn.Module):
+    """fbgemm's fp16-weight linear (``quantized::linear_dynamic_fp16``): the weight stored in IEEE
+    half precision, the product computed in fp32 (no activation quantization), fed float32."""
+
+    def __init__(self, linear: nn.Linear):
+        super().__init__()
+        bias = linear.bias.detach().float() if linear.bias is not None else None
+        self._packed = torch.ops.quantized.linear_prepack_fp16(linear.weight.detach().float(), bias)
+        self.out_features = linear.out_features
+        self.nbytes = 2 * linear.weight.numel() + (_tensor_bytes(bias) if bias is not None else 0)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.quantized.linear_dynamic_fp16(x.float(), self._packed).to(x.dtype)
 
 
 def _torchao(fmt: str):
@@ -214,11 +257,8 @@ def _torchao(fmt: str):
 
 
 def _quantized_bytes(module: nn.Module) -> int:
-    if isinstance(module, _DynamicInt8Linear):
-        weight, bias = module.inner._packed_params._weight_bias()
-        per_channel = weight.qscheme() in (torch.per_channel_affine, torch.per_channel_symmetric)
-        extra = [weight.q_per_channel_scales(), weight.q_per_channel_zero_points()] if per_channel else []
-        return weight.numel() + sum(_tensor_bytes(t) for t in ([bias] if bias is not None else []) + extra)
+    if isinstance(module, (_DynamicInt8Linear, _Fp16Linear)):
+        return module.nbytes
     return sum(_tensor_bytes(t) for t in [*module.parameters(), *module.buffers()])
 
 

@@ -31,7 +31,7 @@ class SpeculationStats:
     draft_model : str or None
         The separate draft model that drafted (its name), or None for self-speculation.
     draft_weights : str
-        Weights of the self-draft's forwards: ``"full"``, ``"int8"`` or ``"int4"``
+        Weights of the self-draft's forwards: ``"full"``, ``"int8"``, ``"fp16"`` or ``"int4"``
         (:mod:`hf_magicdec.engine.draft_weights`).
     draft_weight_bytes : int
         Bytes of the quantized copy of the linear layers the draft read (0 for ``"full"``): memory

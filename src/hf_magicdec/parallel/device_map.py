@@ -256,9 +256,9 @@ def plan_device_map(model_or_config, batch_size: int, context_length: int, *, co
 
 def draft_weight_bytes(model_or_config, draft_weights: str, dtype: Any = None) -> tuple[int, int]:
     """``(bytes per decoder layer, bytes of the LM head)`` of the quantized draft twin that
-    ``draft_weights`` (``"int8"`` / ``"int4"``) keeps beside the model; ``(0, 0)`` otherwise
+    ``draft_weights`` (``"int8"`` / ``"fp16"`` / ``"int4"``) keeps beside the model; ``(0, 0)`` otherwise
     (``"full"``, and ``"auto"``, which only picks a format for models without device-map hooks)."""
-    if draft_weights not in ("int8", "int4"):
+    if draft_weights not in ("int8", "fp16", "int4"):
         return 0, 0
     spec = ModelSpec.from_config(getattr(model_or_config, "config", model_or_config),
                                  dtype=dtype if dtype is not None else _dtype_of(model_or_config))

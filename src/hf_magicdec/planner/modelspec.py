@@ -18,7 +18,7 @@ from .dtypes import canonical_dtype, dtype_bytes
 __all__ = ["ModelSpec"]
 
 # Bytes per weight of the quantized linear formats (None: the model's dtype).
-_WEIGHT_FORMAT_BYTES = {None: None, "int8": 1.0, "int4": 0.5}
+_WEIGHT_FORMAT_BYTES = {None: None, "int8": 1.0, "fp16": 2.0, "int4": 0.5}
 
 # Architectures whose MLP is a plain two-matrix up/down projection; everything else is treated
 # as gated (SwiGLU/GeGLU: gate, up and down matrices), which is what Llama, Qwen, Mistral, Gemma
@@ -69,8 +69,8 @@ class ModelSpec:
     kv_dtype : str or None
         KV cache dtype; ``None`` = ``dtype``.
     weight_format : str or None
-        Linear layers (LM head included) stored quantized: ``"int8"`` (1 byte per weight) or
-        ``"int4"`` (half a byte); None = ``dtype``. A quantized self-draft is the model's spec
+        Linear layers (LM head included) stored quantized: ``"int8"`` (1 byte per weight),
+        ``"fp16"`` (2 bytes) or ``"int4"`` (half a byte); None = ``dtype``. A quantized self-draft is the model's spec
         with this set (:meth:`with_weights`).
 
     Raises

@@ -98,7 +98,7 @@ class Plan:
     draft_options : dict
         The best candidate's view options away from their defaults (``{"window": 16}``).
     draft_weights : str
-        The best candidate's draft weights: ``"full"``, ``"int8"`` or ``"int4"``.
+        The best candidate's draft weights: ``"full"``, ``"int8"``, ``"fp16"`` or ``"int4"``.
     model, hardware : str
         Names of the model spec and the device (``"... (calibrated)"`` when calibrated, ``" xN"`` with
         N-way tensor parallelism).
@@ -247,7 +247,7 @@ def plan(
         Whether self-speculation candidates compete too.
     draft_weights : iterable of str
         Weights the self-draft may read: ``"full"`` and/or quantized formats (``"int8"``,
-        ``"int4"``), each priced by its weight bytes (and the device's rate for the format) with
+        ``"fp16"``, ``"int4"``), each priced by its weight bytes (and the device's rate for the format) with
         its own α (``"<view>@<format>"``).
 
     Returns

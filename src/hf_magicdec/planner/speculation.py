@@ -124,7 +124,7 @@ class Estimate:
     t_verify: float
     speedup: float
     draft_model: str | None = None  # name of a separate draft model's spec; None: self-speculation
-    draft_weights: str = "full"  # the self-draft's linear layers: "full", "int8" or "int4"
+    draft_weights: str = "full"  # the self-draft's linear layers: "full", "int8", "fp16" or "int4"
 
 
 def estimate(model: ModelSpec, hardware: HardwareSpec, *, batch: int, context: int, draft: Any, budget: int,
@@ -155,7 +155,7 @@ def estimate(model: ModelSpec, hardware: HardwareSpec, *, batch: int, context: i
         A separate draft model: its forwards are the draft steps (its weights plus ``budget``
         tokens of its own KV), and α is looked up as ``"model:<draft>"``.
     draft_weights : str
-        The self-draft's linear layers: ``"full"``, or quantized copies (``"int8"``, ``"int4"``):
+        The self-draft's linear layers: ``"full"``, or quantized copies (``"int8"``, ``"fp16"``, ``"int4"``):
         the draft steps read those bytes, and α is looked up as ``"<draft>@<format>"``.
 
     Returns
