@@ -132,13 +132,13 @@ class MagicDecConfig:
         ``CompileConfig()`` (inductor, ``mode="reduce-overhead"``: CUDA graphs on CUDA);
         ``generation_config.disable_compile=True`` turns ``"auto"`` off, as in stock ``generate``.
     draft_weights : "auto", "full", "int8", "fp16" or "int4"
-        Weights of the self-draft's forwards (``docs/draft_views.md``): ``"full"`` (the model's
-        own), ``"int8"`` / ``"fp16"`` / ``"int4"`` (compressed copies of its linear layers, LM head
-        included, made once per model and cached beside it; the model and every verification stay
-        in full precision, so only the acceptance can change), or ``"auto"`` (default): when the
-        planner chooses the view, budget or γ, it also picks the weights among the formats this
-        device has a kernel for (CPU: int8, and fp16 where fbgemm runs; CUDA with torchao: int8,
-        int4); with all three explicit, or with
+        Weights of the self-draft's forwards (``docs/configuration.md``, "Quantized draft
+        weights"): ``"full"`` (the model's own), ``"int8"`` / ``"fp16"`` / ``"int4"`` (compressed
+        copies of its linear layers, LM head included, made once per model and cached beside it;
+        the model and every verification stay in full precision, so only the acceptance can
+        change), or ``"auto"`` (default): when the planner chooses the view, budget or γ, it also
+        picks the weights among the formats this device has a kernel for (CPU: int8, and fp16
+        where fbgemm runs; CUDA with torchao: int8, int4); with all three explicit, or with
         ``draft_model=``, the ``full`` sanity view or γ = 0, ``"auto"`` means ``"full"``.
     view_options : Mapping[str, Any]
         The draft views' options (see above; keywords are merged into it). Stored immutably.
