@@ -20,6 +20,8 @@ from hf_magicdec.planner.hardware import get_hardware
 from hf_magicdec.views import get_view
 
 CPU = torch.device("cpu")
+# fp16 draft weights need fbgemm (x86 CPUs); ARM CPUs (QNNPACK) have int8 only.
+needs_fp16 = pytest.mark.skipif("fp16" not in dw.supported_formats(CPU), reason="no fbgemm fp16 kernel on this CPU")
 
 
 def _generate(model, ids, mask, **kwargs):
@@ -29,7 +31,8 @@ def _generate(model, ids, mask, **kwargs):
 
 @pytest.mark.parametrize("arch,draft,fmt", [*((a, "snapkv", "int8") for a in ARCHS),
                                             ("llama-gqa3", "streamingllm", "int8"), ("mistral-mha", "dynamic", "int8"),
-                                            ("qwen2-gqa7", "snapkv", "fp16"), ("mistral-mha", "streamingllm", "fp16")])
+                                            pytest.param("qwen2-gqa7", "snapkv", "fp16", marks=needs_fp16),
+                                            pytest.param("mistral-mha", "streamingllm", "fp16", marks=needs_fp16)])
 def test_compressed_draft_is_lossless(tiny_models, arch, draft, fmt):
     model = tiny_models(arch)
     ids, mask = ragged_prompts(batch=4, length=48, seed=1)
@@ -94,7 +97,7 @@ def test_twin_is_freed_with_the_model():
     assert len(dw._TWINS) == count - 1
 
 
-@pytest.mark.parametrize("fmt", ["int8", "fp16"])
+@pytest.mark.parametrize("fmt", ["int8", pytest.param("fp16", marks=needs_fp16)])
 def test_compressed_draft_samples_the_target_distribution(fmt):
     """Seeded sampling with a quantized draft: emitted tokens follow the model's own distribution
     (two-sample chi-square against stock sampling of the 2nd and 3rd generated tokens)."""
@@ -184,9 +187,10 @@ def test_quantized_acceptance_prior_is_below_the_views():
     assert default_acceptance("snapkv@int4", 256, 4096) < default_acceptance("snapkv@int8", 256, 4096)
 
 
+@needs_fp16
 def test_fp16_twin_halves_the_weight_bytes_and_keeps_the_logits():
     """fp16 weights, fp32 math: the twin's logits stay within fp16 rounding of the model's, where
-    int8's 7-bit activations move them ~100x more (what costs int8 its acceptance)."""
+    int8's 7-bit activations move them far more (what costs int8 its acceptance)."""
     model = make_model("llama-gqa3", seed=9)
     fp16, int8 = dw.draft_twin(model, "fp16"), dw.draft_twin(model, "int8")
     weights = sum(m.weight.numel() for m in model.modules() if type(m) is nn.Linear)
@@ -252,7 +256,7 @@ def test_measure_steps_times_the_quantized_draft():
 
 
 def test_int8_is_refused_on_cpu_once_pytorch_drops_its_quantized_linear(monkeypatch):
-    assert dw.supported_formats(CPU) == ("int8", "fp16")  # x86 CI machines: fbgemm
+    assert "int8" in dw.supported_formats(CPU)
     monkeypatch.setattr(dw, "_cpu_int8_kernel", lambda: False)
     monkeypatch.setattr(dw, "_cpu_op", lambda *names: False)
     assert dw.supported_formats(CPU) == () and dw.feasible_formats(make_model("llama-gqa3"), CPU) == ()
