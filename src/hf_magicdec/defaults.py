@@ -18,6 +18,8 @@ DEFAULT_PREFILL_CHUNK = 1024
 DEFAULT_MAX_GAMMA = 8
 MAX_GAMMA = 32
 
-#: ``MagicDecConfig.draft_weights``: the self-draft's linear layers in full precision, or quantized
-#: copies (``hf_magicdec.engine.draft_weights``); ``"auto"``: the planner chooses per call.
-DRAFT_WEIGHT_FORMATS = ("full", "int8", "fp16", "int4", AUTO)
+#: The compressed formats of the self-draft's linear layers (``hf_magicdec.engine.draft_weights``).
+QUANTIZED_FORMATS = ("int8", "fp16", "int4")
+#: ``MagicDecConfig.draft_weights``: the self-draft's linear layers in full precision, or compressed
+#: copies; ``"auto"``: the planner chooses per call.
+DRAFT_WEIGHT_FORMATS = ("full", *QUANTIZED_FORMATS, AUTO)

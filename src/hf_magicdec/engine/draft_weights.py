@@ -45,13 +45,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..defaults import AUTO
+from ..defaults import AUTO, QUANTIZED_FORMATS
 
 __all__ = ["QUANTIZED_FORMATS", "DraftTwin", "check_draft_weights", "draft_twin", "feasible_formats",
            "supported_formats"]
-
-#: The quantized values of ``MagicDecConfig.draft_weights``.
-QUANTIZED_FORMATS = ("int8", "fp16", "int4")
 
 # model -> {format: DraftTwin}. Weak keys: the twin holds no reference to the model object itself
 # (only to its parameters), so the entry and the quantized copy go when the model does.
@@ -112,10 +109,11 @@ def check_draft_weights(model, fmt: str, device: torch.device, draft_model=None)
                          "is a separate model (quantize it yourself, or drop draft_model).")
     available = supported_formats(device)
     if fmt not in available:
-        hint = ("install torchao for int8/int4 draft weights on CUDA" if device.type == "cuda" and fmt != "fp16"
-                else "fp16 draft weights are a CPU format (fbgemm); a GPU model is usually 16-bit already"
-                if device.type == "cuda" else f"this CPU has kernels for {list(available)}" if available
-                else f"no quantized kernel on {device.type}")
+        if device.type == "cuda":
+            hint = ("fp16 draft weights are a CPU format (fbgemm); a GPU model is usually 16-bit already"
+                    if fmt == "fp16" else "install torchao for int8/int4 draft weights on CUDA")
+        else:
+            hint = f"this CPU has kernels for {list(available)}" if available else f"no quantized kernel on {device.type}"
         raise ValueError(f"draft_weights={fmt!r} is not available on {device.type} ({hint}); "
                          f"available: {['full', *available]}.")
     for name, module in model.named_modules():

@@ -27,6 +27,7 @@ from accelerate.utils import compute_module_sizes, get_max_memory
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
 from ..config import AUTO, MagicDecConfig
+from ..defaults import QUANTIZED_FORMATS
 from ..planner.modelspec import ModelSpec
 from ..views import available_views
 
@@ -258,7 +259,7 @@ def draft_weight_bytes(model_or_config, draft_weights: str, dtype: Any = None) -
     """``(bytes per decoder layer, bytes of the LM head)`` of the quantized draft twin that
     ``draft_weights`` (``"int8"`` / ``"fp16"`` / ``"int4"``) keeps beside the model; ``(0, 0)`` otherwise
     (``"full"``, and ``"auto"``, which only picks a format for models without device-map hooks)."""
-    if draft_weights not in ("int8", "fp16", "int4"):
+    if draft_weights not in QUANTIZED_FORMATS:
         return 0, 0
     spec = ModelSpec.from_config(getattr(model_or_config, "config", model_or_config),
                                  dtype=dtype if dtype is not None else _dtype_of(model_or_config))

@@ -70,8 +70,8 @@ class ModelSpec:
         KV cache dtype; ``None`` = ``dtype``.
     weight_format : str or None
         Linear layers (LM head included) stored quantized: ``"int8"`` (1 byte per weight),
-        ``"fp16"`` (2 bytes) or ``"int4"`` (half a byte); None = ``dtype``. A quantized self-draft is the model's spec
-        with this set (:meth:`with_weights`).
+        ``"fp16"`` (2 bytes) or ``"int4"`` (half a byte); None = ``dtype``. A quantized self-draft
+        is the model's spec with this set (:meth:`with_weights`).
 
     Raises
     ------

@@ -54,7 +54,7 @@ def build_parser(prog: str = "hf-magicdec bench") -> argparse.ArgumentParser:
     ap.add_argument("--gamma", type=_int_or_auto, nargs="+", default=[3],
                     help="draft tokens per step, or auto (planner's choice, adapted per step)")
     ap.add_argument("--draft-weights", nargs="+", default=["full"], choices=["full", "int8", "fp16", "int4", "auto"],
-                    help="the self-draft's weights: full, int8 (quantized copies of the linear layers), auto")
+                    help="the self-draft's weights: full, int8 / fp16 / int4 (compressed copies of the linear layers), auto")
     ap.add_argument("--text", default="auto", help="auto | shakespeare | pg19 | files:<glob> (see hf_magicdec_bench.data)")
     ap.add_argument("--repeats", type=int, default=1, help="timed runs per method (median reported)")
     ap.add_argument("--no-warmup", action="store_true", help="skip the short discarded warm-up run per method")
