@@ -4,7 +4,9 @@ an fp64 oracle and their PyTorch twins, the backend switch, and end-to-end equal
 
 Shapes hit every branch: one query and γ+1 queries, odd lengths, ranges shorter than a key block,
 several key-axis splits (merge kernel) and one, GQA ratios 1/3/7/8, head_dim 64 and 128, batch 1
-and 5, rows with left padding.
+and 5, rows with left padding. Also the launch plans (tiles within each device's shared memory,
+split count a runtime argument) and the dispatcher's fallbacks to the twin. The same launches
+compiled for real GPUs: test_aot_compile.py.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ pytest.importorskip("triton")
 assert os.environ.get("TRITON_INTERPRET") == "1", "conftest must select Triton's interpreter before import"
 
 from hf_magicdec import kernels  # noqa: E402
-from hf_magicdec.kernels import Segments, reference  # noqa: E402
+from hf_magicdec.kernels import Segments, launch, reference  # noqa: E402
 from hf_magicdec.kernels import triton_kernels as tk  # noqa: E402
 
 
@@ -226,3 +228,129 @@ def test_kernels_are_custom_ops_that_compile_without_graph_breaks():
     torch.testing.assert_close(got[1], want[1])
     code = "\n".join(g.code for g in seen)
     assert len(seen) == 1 and "hf_magicdec.segment_attention" in code and "hf_magicdec.snapkv_mass" in code
+
+
+def _served(dtype, head_dim: int, rows: int, spec) -> bool:
+    """The documented limits (docs/kernels.md): 128 packed rows, except at head_dim 256: 64 rows in
+    fp16/bf16 on 99 KiB devices, and in fp32 32 rows on 99 KiB devices and 64 on the A100."""
+    if head_dim <= 128 or spec.shared_memory > 200_000:
+        return rows <= 128
+    small = spec.shared_memory < 150_000
+    if dtype != torch.float32:
+        return rows <= (64 if small else 128)
+    return rows <= (32 if small else 64)
+
+
+@pytest.mark.parametrize("device", sorted(launch.KNOWN_DEVICES))
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_tiles_fit_every_device_within_the_documented_limits(device, dtype):
+    """The plans find tiles within each device's shared memory for every head width and packed
+    query tile within the documented limits, and refuse the rest (with a reason) so that the
+    dispatcher uses the twin; tests/kernels/test_aot_compile.py checks the tiles with the compiler."""
+    spec = launch.KNOWN_DEVICES[device]
+    elem = torch.empty((), dtype=dtype).element_size()
+    for head_dim in (64, 80, 96, 128, 256):
+        for group, q_len in ((1, 1), (4, 4), (2, 9), (7, 9), (8, 8), (8, 16)):
+            query = torch.empty(1, 8 * group, q_len, head_dim, dtype=dtype, device="meta")
+            key = torch.empty(1, 8, 300, head_dim, dtype=dtype, device="meta")
+            reason = launch.segment_attention_refusal(query, key, key, spec)
+            if not _served(dtype, head_dim, group * q_len, spec):
+                assert reason is not None and "shared memory" in reason
+                continue
+            assert reason is None
+            plan = launch.plan_segment_attention(1, 8, group, q_len, head_dim, head_dim, 300, dtype, spec)
+            assert plan.block_m >= group * q_len and plan.block_d >= head_dim
+            assert launch.segment_shared(plan.block_m, plan.block_n, plan.block_d, plan.block_dv, elem,
+                                         plan.num_stages, spec) <= spec.shared_memory
+        queries = torch.empty(1, 32, 32, head_dim, dtype=dtype, device="meta")
+        keys = torch.empty(1, 8, 300, head_dim, dtype=dtype, device="meta")
+        assert launch.snapkv_refusal(queries, keys, spec) is None
+
+
+def test_split_count_is_not_a_compile_time_constant():
+    """Batch and length change the split count during a generation: it reaches the kernels as a
+    runtime argument, so no new variant is compiled (constexprs equal for any split count)."""
+    spec = launch.KNOWN_DEVICES["sm_90"]
+    seg = torch.zeros(4, dtype=torch.int32)
+    constexprs = set()
+    for batch, kv_len in ((1, 70_000), (1, 3_000), (4, 700), (4, 70)):
+        query = torch.empty(batch, 32, 5, 128, dtype=torch.bfloat16, device="meta")
+        key = torch.empty(batch, 8, kv_len, 128, dtype=torch.bfloat16, device="meta")
+        _, made = tk.segment_attention_launches(query, key, key, seg[:batch], seg[:batch], seg[:batch], seg[:batch],
+                                                0.1, None, None, 0, spec)
+        constexprs.add(tuple(sorted(made[0].kwargs.items())))
+        splits = made[0].args[made[0].kernel.arg_names.index("num_splits")]
+        assert made[0].grid[1] == splits and (len(made) == 2) == (splits > 1)  # the merge iff several
+    assert len(constexprs) == 1
+
+
+def _fallback_logs(caplog):
+    return [r.getMessage() for r in caplog.records if r.name == "hf_magicdec" and "PyTorch twin" in r.getMessage()]
+
+
+def test_calls_the_kernels_cannot_serve_take_the_twin_with_one_log_line(monkeypatch, caplog):
+    monkeypatch.setenv(kernels.ENV_VAR, "triton")
+    monkeypatch.setattr(kernels, "_LOGGED", set())
+    gen = torch.Generator().manual_seed(1)
+    query = torch.randn(2, 4, 3, 16, generator=gen, dtype=torch.float64)  # fp64: no kernel takes it
+    key = torch.randn(2, 2, 20, 16, generator=gen, dtype=torch.float64)
+    segments = _segments("verify", 2, 3, 20, gen)
+    calls = []
+    monkeypatch.setattr(tk, "segment_attention", lambda *a, **k: calls.append(1))
+    with caplog.at_level("WARNING", logger="hf_magicdec"):
+        for _ in range(3):
+            got = kernels.segment_attention(query, key, key, segments, 0.25)
+    torch.testing.assert_close(got, reference.segment_attention(query, key, key, segments, 0.25))
+    assert calls == []
+    assert len(_fallback_logs(caplog)) == 1 and "torch.float64" in _fallback_logs(caplog)[0]
+
+
+def test_a_launch_the_compiler_refuses_falls_back_once_and_is_remembered(monkeypatch, caplog):
+    """Should a device's shared memory be smaller than the plan expected, Triton raises
+    OutOfResources at the first launch: the call (and every later one like it) takes the twin."""
+    monkeypatch.setenv(kernels.ENV_VAR, "triton")
+    monkeypatch.setattr(kernels, "_LOGGED", set())
+    monkeypatch.setattr(kernels, "_REFUSED", {})
+    calls = []
+
+    def out_of_resources(*args, **kwargs):
+        calls.append(1)
+        raise tk.OutOfResources(300_000, 232_448, "shared memory")
+
+    monkeypatch.setattr(tk, "snapkv_mass", out_of_resources)
+    gen = torch.Generator().manual_seed(2)
+    queries, keys = torch.randn(1, 4, 8, 32, generator=gen), torch.randn(1, 2, 40, 32, generator=gen)
+    pad = torch.tensor([3])
+    with caplog.at_level("WARNING", logger="hf_magicdec"):
+        for _ in range(3):
+            got = kernels.snapkv_mass(queries, keys, pad, 0.2)
+    torch.testing.assert_close(got, reference.snapkv_mass(queries, keys, pad, 0.2))
+    assert calls == [1]
+    assert len(_fallback_logs(caplog)) == 1 and "out of resource" in _fallback_logs(caplog)[0]
+
+
+def test_the_dispatch_compiles_without_graph_breaks_kernels_and_fallback(monkeypatch):
+    """The dispatcher's checks (refusals, remembered compiler refusals, the fallback's log) trace
+    under ``fullgraph=True``: the kernels as their operators, a refused call as the twin."""
+    import torch._dynamo
+
+    monkeypatch.setenv(kernels.ENV_VAR, "triton")
+    gen = torch.Generator().manual_seed(4)
+    key = torch.randn(2, 2, 40, 64, generator=gen)
+    segments = _segments("verify", 2, 3, 40, gen)
+    seen = []
+
+    def backend(graph, inputs):
+        seen.append(graph)
+        return graph.forward
+
+    def attend(q, k):
+        return kernels.segment_attention(q, k, k, segments, 0.125)
+
+    for dtype, op in ((torch.float32, "hf_magicdec.segment_attention"), (torch.float64, None)):
+        torch._dynamo.reset()
+        query, k = torch.randn(2, 6, 3, 64, generator=gen, dtype=dtype), key.to(dtype)
+        got = torch.compile(attend, backend=backend, fullgraph=True)(query, k)
+        torch.testing.assert_close(got, reference.segment_attention(query, k, k, segments, 0.125))
+        code = seen[-1].code
+        assert (op in code) if op else "hf_magicdec" not in code

@@ -12,24 +12,32 @@ Backends, chosen by the environment variable ``HF_MAGICDEC_KERNELS``:
     tests do that); without a GPU or the interpreter it raises instead of silently falling back.
 
 Both backends take the same arguments and return the same layouts; see
-:mod:`hf_magicdec.kernels.reference` for the contracts.
+:mod:`hf_magicdec.kernels.reference` for the contracts. A call the Triton kernels cannot serve on
+its device (a dtype they do not take, a head too wide for its shared memory, a packed query tile
+over :data:`MAX_PACKED_ROWS` rows, ...; see :mod:`hf_magicdec.kernels.launch`) runs the twin
+instead, the reason logged once on the ``hf_magicdec`` logger: never an error mid-generation.
 """
 
 from __future__ import annotations
 
 import functools
 import importlib.util
+import logging
 import os
 
 import torch
 
-from . import reference
+from . import launch, reference
+from .launch import MAX_PACKED_ROWS
 from .segments import Segments
+
+log = logging.getLogger("hf_magicdec")
 
 ENV_VAR = "HF_MAGICDEC_KERNELS"
 BACKENDS = ("auto", "torch", "triton")
 
-__all__ = ["BACKENDS", "ENV_VAR", "Segments", "requested_backend", "segment_attention", "snapkv_mass", "use_triton"]
+__all__ = ["BACKENDS", "ENV_VAR", "MAX_PACKED_ROWS", "Segments", "requested_backend", "segment_attention",
+           "snapkv_mass", "use_triton"]
 
 
 def requested_backend() -> str:
@@ -44,7 +52,7 @@ def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def triton_available() -> bool:
     # Once per process: the dispatch runs in every attention call, and find_spec searches sys.path.
     return importlib.util.find_spec("triton") is not None
@@ -63,6 +71,8 @@ def check_backend(device: torch.device) -> str:
             f"tensors are on {torch.device(device).type!r} and TRITON_INTERPRET is not set"
         )
         raise RuntimeError(f"{ENV_VAR}=triton but Triton cannot run here: {why}. Use {ENV_VAR}=auto or torch.")
+    if usable and on_cuda:
+        launch.device_spec(device)  # query the device now, eagerly, not inside a traced step
     return "triton" if usable else "torch"
 
 
@@ -74,6 +84,33 @@ def _triton():
     from . import triton_kernels
 
     return triton_kernels
+
+
+# Fallback reasons already logged (once each: the dispatch runs in every layer of every step).
+_LOGGED: set[str] = set()
+# Launches the compiler refused at run time despite the plan's shared-memory estimate, by
+# (kernel, device, dtype, head dims): they take the twin from then on instead of failing again.
+_REFUSED: dict[tuple, str] = {}
+
+
+def _fall_back(reason: str) -> None:
+    # Not while torch.compile traces a step: a log call there would break the graph (an error
+    # under fullgraph); eager calls log it.
+    if reason not in _LOGGED and not torch.compiler.is_compiling():
+        _LOGGED.add(reason)
+        log.warning("hf_magicdec kernels: using the PyTorch twin: %s", reason)
+
+
+def _refused_key(kernel: str, query: torch.Tensor, other: torch.Tensor, rows: int) -> tuple:
+    """What selects a launch's tiles: device, dtype, head dims, packed query rows."""
+    return (kernel, query.device, query.dtype, query.shape[-1], other.shape[-1], rows)
+
+
+def _refuse(key: tuple, error: Exception) -> str:
+    # The shared-memory estimate in `launch` was wrong for this device: remember, so the next call
+    # takes the twin at once instead of compiling and failing again.
+    _REFUSED[key] = f"{key[0]} on {key[1]} in {key[2]} (head dims {key[3]}, {key[4]}; {key[5]} rows): {error}"
+    return _REFUSED[key]
 
 
 def segment_attention(
@@ -89,15 +126,29 @@ def segment_attention(
     returns ``[B, q, H, Dv]``. ``softcap``: logit soft-capping; ``sinks``: ``[H]`` sink logits.
     See :func:`hf_magicdec.kernels.reference.segment_attention`."""
     if use_triton(query):
-        kernels = _triton()
-        group = query.shape[1] // key.shape[1]
-        if group * query.shape[2] <= kernels.MAX_PACKED_ROWS:
-            return kernels.segment_attention(query, key, value, segments, scaling, softcap, sinks)
+        refused = _refused_key("segment_attention", query, value, query.shape[1] // key.shape[1] * query.shape[2])
+        reason = _REFUSED.get(refused) or launch.segment_attention_refusal(
+            query, key, value, launch.device_spec(query.device))
+        if reason is None:
+            kernels = _triton()
+            try:
+                return kernels.segment_attention(query, key, value, segments, scaling, softcap, sinks)
+            except kernels.OutOfResources as error:
+                reason = _refuse(refused, error)
+        _fall_back(reason)
     return reference.segment_attention(query, key, value, segments, scaling, softcap, sinks)
 
 
 def snapkv_mass(queries: torch.Tensor, keys: torch.Tensor, pad: torch.Tensor, scaling: float) -> torch.Tensor:
     """SnapKV attention mass ``[B, Hkv, S]`` (fp32). See :func:`hf_magicdec.kernels.reference.snapkv_mass`."""
     if use_triton(keys):
-        return _triton().snapkv_mass(queries, keys, pad, scaling)
+        refused = _refused_key("snapkv_mass", queries, keys, 0)
+        reason = _REFUSED.get(refused) or launch.snapkv_refusal(queries, keys, launch.device_spec(keys.device))
+        if reason is None:
+            kernels = _triton()
+            try:
+                return kernels.snapkv_mass(queries, keys, pad, scaling)
+            except kernels.OutOfResources as error:
+                reason = _refuse(refused, error)
+        _fall_back(reason)
     return reference.snapkv_mass(queries, keys, pad, scaling)

@@ -13,6 +13,11 @@ Segment attention (flash-decoding layout):
   softmax (max, sum, unnormalised output) and a second kernel merges the splits;
 * splits outside a row's key ranges do no work, so ragged rows cost their own length.
 
+Tile sizes, warps, stages and split counts come from :mod:`hf_magicdec.kernels.launch` (pure
+functions of shapes, dtype and device); ``segment_attention_launches`` / ``snapkv_launches`` turn
+them into the lists of :class:`Launch` that the operators run and that
+``tests/kernels/test_aot_compile.py`` compiles for sm_80/89/90 on CPU.
+
 SnapKV scoring runs in two passes over the prompt keys (softmax statistics per window query,
 then the probability mass per key summed over the window and the query heads of each KV head),
 so it never holds the ``[B, H, w, S]`` attention matrix.
@@ -27,21 +32,29 @@ Triton attention (and CUDA graphs capture its launches).
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 from torch.library import triton_op, wrap_triton
+from triton.runtime.errors import OutOfResources  # noqa: F401  (caught by the dispatcher)
+
+from .launch import DeviceSpec, device_spec, plan_segment_attention, plan_snapkv
 
 # Triton's interpreter (TRITON_INTERPRET=1, the CPU tests) computes bf16 `tl.dot` wrongly (3.9):
 # there, half-precision tiles are multiplied in fp32; on GPUs they go to the tensor cores.
 _UPCAST_DOTS = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
-# Largest packed query tile (g * q rows); the dispatcher uses the twin above it.
-MAX_PACKED_ROWS = 128
+
+# Runtime integers that vary during a generation (γ, batch, lengths, splits) or only by model
+# (group, KV heads) are not specialised: each new value (or its divisibility by 16) would compile
+# a new variant, mid-generation. Head dims stay specialised (Triton then knows them multiples of
+# 16, so the masked loads along D stay vectorised).
+_SEGMENT_RUNTIME = ["q_len", "group", "kv_heads", "kv_len", "keys_per_split", "num_splits", "has_sinks"]
 
 
-@triton.jit
+@triton.jit(do_not_specialize=_SEGMENT_RUNTIME)
 def _segment_attention_kernel(
     Q, K, V, Out, PartO, PartM, PartL, Sinks,
     Lo1, Hi1, Lo2, Hi2,
@@ -49,37 +62,30 @@ def _segment_attention_kernel(
     stride_kb, stride_kh, stride_kl, stride_kd,
     stride_vb, stride_vh, stride_vl, stride_vd,
     stride_ob, stride_oq, stride_oh, stride_od,
-    kv_heads, kv_len, keys_per_split, scaling, softcap,
-    Q_LEN: tl.constexpr, GROUP: tl.constexpr, HEAD_D: tl.constexpr, HEAD_DV: tl.constexpr,
+    q_len, group, kv_heads, head_d, head_dv, kv_len, keys_per_split, num_splits, has_sinks, scaling, softcap,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-    NUM_SPLITS: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr,
-    SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr,
+    IEEE: tl.constexpr, UPCAST: tl.constexpr, SOFTCAP: tl.constexpr,
 ):
     pid_bh = tl.program_id(0)
     pid_s = tl.program_id(1)
-    b = pid_bh // kv_heads
-    kvh = pid_bh % kv_heads
-    # Packed row r serves query head kvh*GROUP + r // Q_LEN at query position r % Q_LEN.
+    # 64-bit bases: b * stride_kb passes 2^31 once B*Hkv*L*D does (Llama-3.1-8B: batch 64 x 33K
+    # slots); offsets inside one (row, head) tile stay 32-bit (the dispatcher checks their span).
+    b = (pid_bh // kv_heads).to(tl.int64)
+    kvh = (pid_bh % kv_heads).to(tl.int64)
+    # Packed row r serves query head kvh*group + r // q_len at query position r % q_len.
     rows = tl.arange(0, BLOCK_M)
-    row_ok = rows < GROUP * Q_LEN
-    head = kvh * GROUP + rows // Q_LEN
-    qi = rows % Q_LEN
-    shift = Q_LEN - 1 - qi
+    row_ok = rows < group * q_len
+    head_in_group = rows // q_len
+    qi = rows % q_len
+    shift = q_len - 1 - qi
     d = tl.arange(0, BLOCK_D)
     dv = tl.arange(0, BLOCK_DV)
     q = tl.load(
-        Q + b * stride_qb + head[:, None] * stride_qh + qi[:, None] * stride_qq + d[None, :] * stride_qd,
-        mask=row_ok[:, None] & (d[None, :] < HEAD_D), other=0.0,
+        Q + b * stride_qb + kvh * group * stride_qh
+        + head_in_group[:, None] * stride_qh + qi[:, None] * stride_qq + d[None, :] * stride_qd,
+        mask=row_ok[:, None] & (d[None, :] < head_d), other=0.0,
     )
-    lo1 = tl.load(Lo1 + b)
-    hi1 = tl.load(Hi1 + b)
-    lo2 = tl.load(Lo2 + b)
-    hi2 = tl.load(Hi2 + b)
-    # Only the envelope of the two ranges is read: a ragged row costs its own length.
-    env_lo = tl.minimum(tl.where(hi1 > lo1, lo1, kv_len), tl.where(hi2 > lo2, lo2, kv_len))
-    env_hi = tl.maximum(tl.where(hi1 > lo1, hi1, 0), tl.where(hi2 > lo2, hi2, 0))
-    start = tl.maximum(pid_s * keys_per_split, env_lo)
-    stop = tl.minimum(tl.minimum((pid_s + 1) * keys_per_split, kv_len), env_hi)
+    lo1, hi1, lo2, hi2, start, stop = _split_keys(Lo1, Hi1, Lo2, Hi2, b, pid_s, keys_per_split, kv_len)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -87,57 +93,99 @@ def _segment_attention_kernel(
     k_base = K + b * stride_kb + kvh * stride_kh
     v_base = V + b * stride_vb + kvh * stride_vh
     for n0 in range(start, stop, BLOCK_N):
-        cols = n0 + tl.arange(0, BLOCK_N)
-        col_ok = cols < stop
-        k = tl.load(
-            k_base + cols[None, :] * stride_kl + d[:, None] * stride_kd,
-            mask=col_ok[None, :] & (d[:, None] < HEAD_D), other=0.0,
-        )
-        if UPCAST:
-            s = tl.dot(q.to(tl.float32), k.to(tl.float32), input_precision="ieee")
-        elif IEEE:
-            s = tl.dot(q, k, input_precision="ieee")
-        else:
-            s = tl.dot(q, k)
-        s = s * scaling
-        if SOFTCAP:
-            s = softcap * _tanh(s / softcap)
-        in1 = (cols >= lo1) & (cols < hi1)
-        in2 = (cols[None, :] >= lo2) & (cols[None, :] < hi2 - shift[:, None])
-        valid = (in1[None, :] | in2) & col_ok[None, :] & row_ok[:, None]
-        s = tl.where(valid, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # no -inf - -inf
-        p = tl.exp(s - m_safe[:, None])
-        alpha = tl.exp(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(
-            v_base + cols[:, None] * stride_vl + dv[None, :] * stride_vd,
-            mask=col_ok[:, None] & (dv[None, :] < HEAD_DV), other=0.0,
-        )
-        if UPCAST:
-            pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
-        elif IEEE:
-            pv = tl.dot(p, v, input_precision="ieee")
-        else:
-            pv = tl.dot(p.to(v.dtype), v)
-        acc = acc * alpha[:, None] + pv
-        m_i = m_new
+        m_i, l_i, acc = _attend_block(q, k_base, v_base, n0, stop, lo1, hi1, lo2, hi2, shift, row_ok, d, dv,
+                                      head_d, head_dv, stride_kl, stride_kd, stride_vl, stride_vd, scaling,
+                                      softcap, m_i, l_i, acc, BLOCK_N, IEEE, UPCAST, SOFTCAP)
 
-    if NUM_SPLITS == 1:
-        if HAS_SINKS:
-            m_i, l_i, acc = _add_sink(Sinks, head, row_ok, m_i, l_i, acc)
+    # The split count and the sinks are runtime values (their code runs once, after the loop): one
+    # kernel whatever the count, with or without sinks. The soft-cap, in the loop, is a constexpr.
+    if num_splits == 1:
+        if has_sinks != 0:
+            m_i, l_i, acc = _add_sink(Sinks, kvh * group + head_in_group, row_ok, m_i, l_i, acc)
         out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
-        tl.store(
-            Out + b * stride_ob + qi[:, None] * stride_oq + head[:, None] * stride_oh + dv[None, :] * stride_od,
-            out.to(Out.dtype.element_ty),
-            mask=row_ok[:, None] & (dv[None, :] < HEAD_DV),
-        )
+        _store_rows(Out, out, b, kvh * group, head_in_group, qi, row_ok, dv, head_dv,
+                    stride_ob, stride_oq, stride_oh, stride_od)
     else:
-        part = pid_bh * NUM_SPLITS + pid_s
-        tl.store(PartO + (part * BLOCK_M + rows[:, None]) * BLOCK_DV + dv[None, :], acc)
-        tl.store(PartM + part * BLOCK_M + rows, m_i)
-        tl.store(PartL + part * BLOCK_M + rows, l_i)
+        part = (pid_bh.to(tl.int64) * num_splits + pid_s) * BLOCK_M
+        tl.store(PartO + (part + rows[:, None]) * BLOCK_DV + dv[None, :], acc)
+        tl.store(PartM + part + rows, m_i)
+        tl.store(PartL + part + rows, l_i)
+
+
+@triton.jit
+def _split_keys(Lo1, Hi1, Lo2, Hi2, b, pid_s, keys_per_split, kv_len):
+    """Row ``b``'s two key ranges and the keys ``[start, stop)`` split ``pid_s`` walks: only the
+    envelope of the ranges is read, so a ragged row costs its own length."""
+    lo1 = tl.load(Lo1 + b)
+    hi1 = tl.load(Hi1 + b)
+    lo2 = tl.load(Lo2 + b)
+    hi2 = tl.load(Hi2 + b)
+    env_lo = tl.minimum(tl.where(hi1 > lo1, lo1, kv_len), tl.where(hi2 > lo2, lo2, kv_len))
+    env_hi = tl.maximum(tl.where(hi1 > lo1, hi1, 0), tl.where(hi2 > lo2, hi2, 0))
+    start = tl.maximum(pid_s * keys_per_split, env_lo)
+    stop = tl.minimum(tl.minimum((pid_s + 1) * keys_per_split, kv_len), env_hi)
+    return lo1, hi1, lo2, hi2, start, stop
+
+
+@triton.jit
+def _attend_block(q, k_base, v_base, n0, stop, lo1, hi1, lo2, hi2, shift, row_ok, d, dv, head_d, head_dv,
+                  stride_kl, stride_kd, stride_vl, stride_vd, scaling, softcap, m_i, l_i, acc,
+                  BLOCK_N: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr, SOFTCAP: tl.constexpr):
+    """One key block ``[n0, n0 + BLOCK_N)`` of the online softmax: the packed rows' logits over the
+    keys their ranges allow, folded into the running max ``m_i``, sum ``l_i`` and output ``acc``."""
+    cols = n0 + tl.arange(0, BLOCK_N)
+    col_ok = cols < stop
+    k = tl.load(
+        k_base + cols[None, :] * stride_kl + d[:, None] * stride_kd,
+        mask=col_ok[None, :] & (d[:, None] < head_d), other=0.0,
+    )
+    s = _dot(q, k, IEEE, UPCAST) * scaling
+    if SOFTCAP:
+        s = softcap * _tanh(s / softcap)
+    in1 = (cols >= lo1) & (cols < hi1)
+    in2 = (cols[None, :] >= lo2) & (cols[None, :] < hi2 - shift[:, None])
+    valid = (in1[None, :] | in2) & col_ok[None, :] & row_ok[:, None]
+    s = tl.where(valid, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # no -inf - -inf
+    p = tl.exp(s - m_safe[:, None])
+    alpha = tl.exp(m_i - m_safe)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    v = tl.load(
+        v_base + cols[:, None] * stride_vl + dv[None, :] * stride_vd,
+        mask=col_ok[:, None] & (dv[None, :] < head_dv), other=0.0,
+    )
+    if not (IEEE or UPCAST):
+        p = p.to(v.dtype)  # probabilities enter the tensor cores in the value dtype
+    acc = acc * alpha[:, None] + _dot(p, v, IEEE, UPCAST)
+    return m_new, l_i, acc
+
+
+@triton.jit
+def _dot(a, b, IEEE: tl.constexpr, UPCAST: tl.constexpr):
+    """``a @ b`` accumulated in fp32. fp32 inputs: IEEE (no TF32), so they match the twin; fp16 and
+    bf16 go to the tensor cores as they are (their products are exact in fp32: an upcast would
+    only push the dot off the tensor cores and spill), except under the interpreter (``UPCAST``),
+    whose bf16 dot is wrong in Triton 3.9."""
+    if UPCAST:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    elif IEEE:
+        return tl.dot(a, b, input_precision="ieee")
+    else:
+        return tl.dot(a, b)
+
+
+@triton.jit
+def _store_rows(Out, out, b, first_head, head_in_group, qi, row_ok, dv, head_dv,
+                stride_ob, stride_oq, stride_oh, stride_od):
+    """Store packed rows into the ``[B, q, H, Dv]`` output: row r is head ``first_head + r // q``
+    at query position ``r % q``."""
+    tl.store(
+        Out + b * stride_ob + first_head * stride_oh
+        + qi[:, None] * stride_oq + head_in_group[:, None] * stride_oh + dv[None, :] * stride_od,
+        out.to(Out.dtype.element_ty),
+        mask=row_ok[:, None] & (dv[None, :] < head_dv),
+    )
 
 
 @triton.jit
@@ -160,61 +208,62 @@ def _add_sink(Sinks, head, row_ok, m_i, l_i, acc):
     return m_new, l_new, acc * alpha[:, None]
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["q_len", "group", "kv_heads", "part_rows", "num_splits", "has_sinks"])
 def _merge_splits_kernel(
     PartO, PartM, PartL, Out, Sinks,
     stride_ob, stride_oq, stride_oh, stride_od,
-    kv_heads,
-    Q_LEN: tl.constexpr, GROUP: tl.constexpr, HEAD_DV: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_DV: tl.constexpr, NUM_SPLITS: tl.constexpr, HAS_SINKS: tl.constexpr,
+    q_len, group, kv_heads, head_dv, part_rows, num_splits, has_sinks,
+    MERGE_M: tl.constexpr, BLOCK_DV: tl.constexpr,
 ):
+    """Merge the splits of ``MERGE_M`` packed rows (of ``part_rows`` per program of the attention
+    kernel): one variant per head width, whatever the attention kernel's row tile."""
     pid_bh = tl.program_id(0)
-    b = pid_bh // kv_heads
-    kvh = pid_bh % kv_heads
-    rows = tl.arange(0, BLOCK_M)
+    b = (pid_bh // kv_heads).to(tl.int64)
+    kvh = (pid_bh % kv_heads).to(tl.int64)
+    rows = tl.program_id(1) * MERGE_M + tl.arange(0, MERGE_M)
     dv = tl.arange(0, BLOCK_DV)
-    base = pid_bh * NUM_SPLITS
-    m_max = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    for i in range(NUM_SPLITS):
-        m_max = tl.maximum(m_max, tl.load(PartM + (base + i) * BLOCK_M + rows))
+    base = pid_bh.to(tl.int64) * num_splits * part_rows
+    m_max = tl.full([MERGE_M], float("-inf"), tl.float32)
+    for i in range(num_splits):
+        m_max = tl.maximum(m_max, tl.load(PartM + base + i * part_rows + rows))
     m_safe = tl.where(m_max == float("-inf"), 0.0, m_max)
-    denom = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
-    for i in range(NUM_SPLITS):
-        w = tl.exp(tl.load(PartM + (base + i) * BLOCK_M + rows) - m_safe)
-        denom += w * tl.load(PartL + (base + i) * BLOCK_M + rows)
-        acc += w[:, None] * tl.load(PartO + ((base + i) * BLOCK_M + rows[:, None]) * BLOCK_DV + dv[None, :])
-    row_ok = rows < GROUP * Q_LEN
-    head = kvh * GROUP + rows // Q_LEN
-    qi = rows % Q_LEN
-    if HAS_SINKS:
-        m_max, denom, acc = _add_sink(Sinks, head, row_ok, m_safe, denom, acc)
+    denom = tl.zeros([MERGE_M], tl.float32)
+    acc = tl.zeros([MERGE_M, BLOCK_DV], tl.float32)
+    for i in range(num_splits):
+        split = base + i * part_rows
+        w = tl.exp(tl.load(PartM + split + rows) - m_safe)
+        denom += w * tl.load(PartL + split + rows)
+        acc += w[:, None] * tl.load(PartO + (split + rows[:, None]) * BLOCK_DV + dv[None, :])
+    row_ok = rows < group * q_len
+    head_in_group = rows // q_len
+    if has_sinks != 0:
+        m_max, denom, acc = _add_sink(Sinks, kvh * group + head_in_group, row_ok, m_safe, denom, acc)
     out = acc / tl.where(denom == 0.0, 1.0, denom)[:, None]
-    tl.store(
-        Out + b * stride_ob + qi[:, None] * stride_oq + head[:, None] * stride_oh + dv[None, :] * stride_od,
-        out.to(Out.dtype.element_ty),
-        mask=row_ok[:, None] & (dv[None, :] < HEAD_DV),
-    )
+    _store_rows(Out, out, b, kvh * group, head_in_group, rows % q_len, row_ok, dv, head_dv,
+                stride_ob, stride_oq, stride_oh, stride_od)
 
 
-def _pow2(n: int, floor: int = 16) -> int:
-    return max(floor, triton.next_power_of_2(n))
+@dataclass(frozen=True)
+class Launch:
+    """One kernel launch, ``kernel[grid](*args, **kwargs)`` (kwargs: constexprs, ``num_warps``,
+    ``num_stages``). The operators run these; ``tests/kernels/test_aot_compile.py`` compiles them."""
+
+    kernel: object
+    grid: tuple[int, ...]
+    args: tuple
+    kwargs: dict
 
 
-def default_splits(programs: int, kv_len: int, block_n: int, device: torch.device) -> int:
-    """Key-axis splits so that ``programs * splits`` fills the GPU (about two waves), each split
-    keeping at least four key blocks."""
-    most = max(1, triton.cdiv(kv_len, 4 * block_n))
-    if device.type == "cuda":
-        sms = torch.cuda.get_device_properties(device).multi_processor_count
-        return max(1, min(most, triton.cdiv(2 * sms, programs), 64))
-    return min(most, 4)  # interpreter: exercise the merge on small shapes too
+def _run(launches: list[Launch]) -> None:
+    for launch in launches:
+        wrap_triton(launch.kernel)[launch.grid](*launch.args, **launch.kwargs)
 
 
 def segment_attention(query, key, value, segments, scaling: float, softcap: float | None = None,
                       sinks: torch.Tensor | None = None, num_splits: int | None = None) -> torch.Tensor:
     """Triton twin of :func:`hf_magicdec.kernels.reference.segment_attention` (same contract,
     soft-capping and sinks included), through the ``hf_magicdec::segment_attention`` operator.
+    Only for calls :func:`hf_magicdec.kernels.launch.segment_attention_refusal` accepts.
 
     ``num_splits`` overrides the key-axis split count (tests use it to hit both code paths).
     """
@@ -223,79 +272,96 @@ def segment_attention(query, key, value, segments, scaling: float, softcap: floa
                                                    float(scaling), softcap, sinks, num_splits or 0)
 
 
+def segment_attention_launches(query, key, value, lo1, hi1, lo2, hi2, scaling: float, softcap: float | None,
+                               sinks: torch.Tensor | None, num_splits: int,
+                               spec: DeviceSpec) -> tuple[torch.Tensor, list[Launch]]:
+    """The output ``[B, q, H, Dv]`` (unfilled) and the launches that fill it on ``spec``.
+
+    Tensors as in :func:`segment_attention`, ``lo1 .. hi2`` ``[B]`` int32; buffers are allocated
+    on the query's device, which may be ``meta`` (the AOT test). ``num_splits`` 0: automatic."""
+    batch, heads, q_len, head_d = query.shape
+    kv_heads, kv_len, head_dv = key.shape[1], key.shape[2], value.shape[-1]
+    group = heads // kv_heads
+    plan = plan_segment_attention(batch, kv_heads, group, q_len, head_d, head_dv, kv_len, query.dtype, spec,
+                                  num_splits or None)
+    dev = query.device
+    out = torch.empty((batch, q_len, heads, head_dv), dtype=query.dtype, device=dev)
+    programs = batch * kv_heads
+    # Unused pointers get an fp32 placeholder: the pointer types stay those of the split path, so
+    # one split or several launch the same compiled kernel.
+    unused = torch.empty((1,), dtype=torch.float32, device=dev)
+    if plan.splits > 1:
+        part_o = torch.empty((programs * plan.splits, plan.block_m, plan.block_dv), dtype=torch.float32, device=dev)
+        part_m = torch.empty((programs * plan.splits, plan.block_m), dtype=torch.float32, device=dev)
+        part_l = torch.empty_like(part_m)
+    else:
+        part_o = part_m = part_l = unused
+    sink_ptr = sinks.to(device=dev, dtype=torch.float32).contiguous() if sinks is not None else unused
+    attend = Launch(_segment_attention_kernel, (programs, plan.splits), (
+        query, key, value, out, part_o, part_m, part_l, sink_ptr, lo1, hi1, lo2, hi2,
+        *query.stride(), *key.stride(), *value.stride(), *out.stride(),
+        q_len, group, kv_heads, head_d, head_dv, kv_len, plan.keys_per_split, plan.splits, int(sinks is not None),
+        float(scaling), float(softcap or 1.0),
+    ), {
+        "BLOCK_M": plan.block_m, "BLOCK_N": plan.block_n, "BLOCK_D": plan.block_d, "BLOCK_DV": plan.block_dv,
+        "IEEE": query.dtype == torch.float32, "UPCAST": _UPCAST_DOTS and query.dtype != torch.float32,
+        "SOFTCAP": softcap is not None,
+        "num_warps": plan.num_warps, "num_stages": plan.num_stages,
+    })
+    if plan.splits == 1:
+        return out, [attend]
+    merge = Launch(_merge_splits_kernel, (programs, triton.cdiv(group * q_len, plan.merge_m)), (
+        part_o, part_m, part_l, out, sink_ptr, *out.stride(), q_len, group, kv_heads, head_dv, plan.block_m,
+        plan.splits, int(sinks is not None),
+    ), {"MERGE_M": plan.merge_m, "BLOCK_DV": plan.block_dv, "num_warps": plan.merge_warps, "num_stages": 1})
+    return out, [attend, merge]
+
+
 @triton_op("hf_magicdec::segment_attention", mutates_args={})
 def _segment_attention_op(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, lo1: torch.Tensor,
                           hi1: torch.Tensor, lo2: torch.Tensor, hi2: torch.Tensor, scaling: float,
                           softcap: float | None, sinks: torch.Tensor | None, num_splits: int) -> torch.Tensor:
-    batch, heads, q_len, head_dim = query.shape
-    kv_heads, kv_len, head_dv = key.shape[1], key.shape[2], value.shape[-1]
-    group = heads // kv_heads
-    out = torch.empty((batch, q_len, heads, head_dv), dtype=query.dtype, device=query.device)
-    block_m, block_n = _pow2(group * q_len), 64
-    block_d, block_dv = _pow2(head_dim), _pow2(head_dv)
-    programs = batch * kv_heads
-    splits = num_splits or default_splits(programs, kv_len, block_n, query.device)
-    keys_per_split = triton.cdiv(triton.cdiv(max(kv_len, 1), splits), block_n) * block_n
-    splits = max(1, triton.cdiv(kv_len, keys_per_split))
-    if splits > 1:
-        part_o = torch.empty((programs * splits, block_m, block_dv), dtype=torch.float32, device=query.device)
-        part_m = torch.empty((programs * splits, block_m), dtype=torch.float32, device=query.device)
-        part_l = torch.empty_like(part_m)
-    else:
-        part_o = part_m = part_l = out  # unused
-    sink_ptr = sinks.to(device=query.device, dtype=torch.float32).contiguous() if sinks is not None else out
-    wrap_triton(_segment_attention_kernel)[(programs, splits)](
-        query, key, value, out, part_o, part_m, part_l, sink_ptr,
-        lo1, hi1, lo2, hi2,
-        *query.stride(), *key.stride(), *value.stride(), *out.stride(),
-        kv_heads, kv_len, keys_per_split, float(scaling), float(softcap or 1.0),
-        Q_LEN=q_len, GROUP=group, HEAD_D=head_dim, HEAD_DV=head_dv,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, BLOCK_DV=block_dv,
-        NUM_SPLITS=splits, IEEE=query.dtype == torch.float32, UPCAST=_UPCAST_DOTS and query.dtype != torch.float32,
-        SOFTCAP=softcap is not None, HAS_SINKS=sinks is not None,
-    )
-    if splits > 1:
-        wrap_triton(_merge_splits_kernel)[(programs,)](
-            part_o, part_m, part_l, out, sink_ptr, *out.stride(), kv_heads,
-            Q_LEN=q_len, GROUP=group, HEAD_DV=head_dv, BLOCK_M=block_m, BLOCK_DV=block_dv, NUM_SPLITS=splits,
-            HAS_SINKS=sinks is not None,
-        )
+    out, launches = segment_attention_launches(query, key, value, lo1, hi1, lo2, hi2, scaling, softcap, sinks,
+                                               num_splits, device_spec(query.device))
+    _run(launches)
     return out
 
 
 @triton.jit
-def _window_queries(Q, b, kvh, rows, slots, stride_qb, stride_qh, stride_qw, stride_qd,
-                    WINDOW: tl.constexpr, GROUP: tl.constexpr, HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr):
-    """Packed rows ``rows`` of KV head ``kvh``: row r is window query ``r % WINDOW`` of query head
-    ``kvh*GROUP + r // WINDOW``. Returns the query tile, which rows exist, and each row's slot."""
-    row_ok = rows < GROUP * WINDOW
-    head = kvh * GROUP + rows // WINDOW
-    wi = rows % WINDOW
+def _window_queries(Q, b, kvh, rows, group, window, head_d, slots, stride_qb, stride_qh, stride_qw, stride_qd,
+                    BLOCK_D: tl.constexpr):
+    """Packed rows ``rows`` of KV head ``kvh``: row r is window query ``r % window`` of query head
+    ``kvh*group + r // window``. Returns the query tile, which rows exist, and each row's slot."""
+    row_ok = rows < group * window
+    wi = rows % window
     d = tl.arange(0, BLOCK_D)
     q = tl.load(
-        Q + b * stride_qb + head[:, None] * stride_qh + wi[:, None] * stride_qw + d[None, :] * stride_qd,
-        mask=row_ok[:, None] & (d[None, :] < HEAD_D), other=0.0,
+        Q + b * stride_qb + kvh * group * stride_qh
+        + (rows // window)[:, None] * stride_qh + wi[:, None] * stride_qw + d[None, :] * stride_qd,
+        mask=row_ok[:, None] & (d[None, :] < head_d), other=0.0,
     )
-    return q, row_ok, slots - WINDOW + wi
+    return q, row_ok, slots - window + wi
 
 
-@triton.jit
+# SnapKV runs once per prompt, but group and window (and the prompt length) vary by model and call.
+_SNAPKV_RUNTIME = ["group", "window", "kv_heads", "slots"]
+
+
+@triton.jit(do_not_specialize=_SNAPKV_RUNTIME)
 def _snapkv_stats_kernel(
     Q, K, Pad, M, L,
     stride_qb, stride_qh, stride_qw, stride_qd,
     stride_kb, stride_kh, stride_kl, stride_kd,
-    kv_heads, slots, scaling,
-    WINDOW: tl.constexpr, GROUP: tl.constexpr, HEAD_D: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    group, window, kv_heads, head_d, slots, scaling,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr,
 ):
     """Pass 1: softmax max and normaliser of every (query head, window query) row."""
     pid_bh = tl.program_id(0)
-    pid_m = tl.program_id(1)
-    b = pid_bh // kv_heads
-    kvh = pid_bh % kv_heads
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    q, row_ok, query_slot = _window_queries(Q, b, kvh, rows, slots, stride_qb, stride_qh, stride_qw, stride_qd,
-                                            WINDOW, GROUP, HEAD_D, BLOCK_D)
+    b = (pid_bh // kv_heads).to(tl.int64)
+    kvh = (pid_bh % kv_heads).to(tl.int64)
+    rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+    q, row_ok, query_slot = _window_queries(Q, b, kvh, rows, group, window, head_d, slots,
+                                            stride_qb, stride_qh, stride_qw, stride_qd, BLOCK_D)
     d = tl.arange(0, BLOCK_D)
     pad = tl.load(Pad + b)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
@@ -305,83 +371,93 @@ def _snapkv_stats_kernel(
         cols = n0 + tl.arange(0, BLOCK_N)
         k = tl.load(
             k_base + cols[None, :] * stride_kl + d[:, None] * stride_kd,
-            mask=(cols[None, :] < slots) & (d[:, None] < HEAD_D), other=0.0,
+            mask=(cols[None, :] < slots) & (d[:, None] < head_d), other=0.0,
         )
-        s = tl.dot(q.to(tl.float32), k.to(tl.float32), input_precision="ieee") * scaling
+        s = _dot(q, k, IEEE, UPCAST) * scaling
         valid = (cols[None, :] <= query_slot[:, None]) & (cols[None, :] < slots) & row_ok[:, None]
         s = tl.where(valid, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         l_i = l_i * tl.exp(m_i - m_safe) + tl.sum(tl.exp(s - m_safe[:, None]), 1)
         m_i = m_new
-    out = pid_bh * GROUP * WINDOW + rows
+    out = pid_bh.to(tl.int64) * group * window + rows
     tl.store(M + out, m_i, mask=row_ok)
     tl.store(L + out, l_i, mask=row_ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=_SNAPKV_RUNTIME)
 def _snapkv_mass_kernel(
     Q, K, Pad, M, L, Out,
     stride_qb, stride_qh, stride_qw, stride_qd,
     stride_kb, stride_kh, stride_kl, stride_kd,
-    kv_heads, slots, scaling,
-    WINDOW: tl.constexpr, GROUP: tl.constexpr, HEAD_D: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    group, window, kv_heads, head_d, slots, scaling,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr,
 ):
     """Pass 2: for one block of keys, the probability mass summed over all rows of a KV head."""
     pid_bh = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    b = pid_bh // kv_heads
-    kvh = pid_bh % kv_heads
-    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    b = (pid_bh // kv_heads).to(tl.int64)
+    kvh = (pid_bh % kv_heads).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     pad = tl.load(Pad + b)
     col_ok = (cols < slots) & (cols >= pad)
     d = tl.arange(0, BLOCK_D)
     k = tl.load(
         K + b * stride_kb + kvh * stride_kh + cols[None, :] * stride_kl + d[:, None] * stride_kd,
-        mask=(cols[None, :] < slots) & (d[:, None] < HEAD_D), other=0.0,
+        mask=(cols[None, :] < slots) & (d[:, None] < head_d), other=0.0,
     )
+    stats = pid_bh.to(tl.int64) * group * window
     mass = tl.zeros([BLOCK_N], tl.float32)
-    for m0 in range(0, GROUP * WINDOW, BLOCK_M):
+    for m0 in range(0, group * window, BLOCK_M):
         rows = m0 + tl.arange(0, BLOCK_M)
-        q, row_ok, query_slot = _window_queries(Q, b, kvh, rows, slots, stride_qb, stride_qh, stride_qw,
-                                                stride_qd, WINDOW, GROUP, HEAD_D, BLOCK_D)
-        m_row = tl.load(M + pid_bh * GROUP * WINDOW + rows, mask=row_ok, other=0.0)
-        l_row = tl.load(L + pid_bh * GROUP * WINDOW + rows, mask=row_ok, other=1.0)
-        s = tl.dot(q.to(tl.float32), k.to(tl.float32), input_precision="ieee") * scaling
+        q, row_ok, query_slot = _window_queries(Q, b, kvh, rows, group, window, head_d, slots,
+                                                stride_qb, stride_qh, stride_qw, stride_qd, BLOCK_D)
+        m_row = tl.load(M + stats + rows, mask=row_ok, other=0.0)
+        l_row = tl.load(L + stats + rows, mask=row_ok, other=1.0)
+        s = _dot(q, k, IEEE, UPCAST) * scaling
         # Padding queries (slot < pad) see no key and add nothing.
         valid = col_ok[None, :] & (cols[None, :] <= query_slot[:, None]) & (row_ok & (query_slot >= pad))[:, None]
         p = tl.where(valid, tl.exp(s - m_row[:, None]) / tl.where(l_row == 0.0, 1.0, l_row)[:, None], 0.0)
         mass += tl.sum(p, 0)
-    tl.store(Out + pid_bh * slots + cols, mass, mask=cols < slots)
+    tl.store(Out + pid_bh.to(tl.int64) * slots + cols, mass, mask=cols < slots)
 
 
 def snapkv_mass(queries, keys, pad, scaling: float) -> torch.Tensor:
     """Triton twin of :func:`hf_magicdec.kernels.reference.snapkv_mass` (same contract), through
-    the ``hf_magicdec::snapkv_mass`` operator."""
+    the ``hf_magicdec::snapkv_mass`` operator. Only for calls
+    :func:`hf_magicdec.kernels.launch.snapkv_refusal` accepts."""
     return torch.ops.hf_magicdec.snapkv_mass(queries, keys, pad.to(keys.device, torch.int32), float(scaling))
+
+
+def snapkv_launches(queries, keys, pad, scaling: float, spec: DeviceSpec) -> tuple[torch.Tensor, list[Launch]]:
+    """The output ``[B, Hkv, S]`` fp32 (unfilled) and the two launches that fill it on ``spec``.
+
+    ``queries [B, H, w, D]``, ``keys [B, Hkv, S, D]``, ``pad [B]`` int32 on the keys' device (may
+    be ``meta``)."""
+    batch, heads, window, head_d = queries.shape
+    kv_heads, slots = keys.shape[1], keys.shape[2]
+    group = heads // kv_heads
+    plan = plan_snapkv(head_d, queries.dtype, spec)
+    dev = keys.device
+    stats_m = torch.empty((batch * kv_heads * group * window,), dtype=torch.float32, device=dev)
+    stats_l = torch.empty_like(stats_m)
+    out = torch.empty((batch, kv_heads, slots), dtype=torch.float32, device=dev)
+    args = (*queries.stride(), *keys.stride(), group, window, kv_heads, head_d, slots, float(scaling))
+    meta = {"BLOCK_M": plan.block_m, "BLOCK_N": plan.block_n, "BLOCK_D": plan.block_d,
+            "IEEE": queries.dtype == torch.float32, "UPCAST": _UPCAST_DOTS and queries.dtype != torch.float32}
+    stats = Launch(_snapkv_stats_kernel, (batch * kv_heads, triton.cdiv(group * window, plan.block_m)),
+                   (queries, keys, pad, stats_m, stats_l, *args),
+                   {**meta, "num_warps": plan.num_warps, "num_stages": plan.stats_stages})
+    mass = Launch(_snapkv_mass_kernel, (batch * kv_heads, triton.cdiv(slots, plan.block_n)),
+                  (queries, keys, pad, stats_m, stats_l, out, *args),
+                  {**meta, "num_warps": plan.num_warps, "num_stages": plan.mass_stages})
+    return out, [stats, mass]
 
 
 @triton_op("hf_magicdec::snapkv_mass", mutates_args={})
 def _snapkv_mass_op(queries: torch.Tensor, keys: torch.Tensor, pad: torch.Tensor, scaling: float) -> torch.Tensor:
-    batch, heads, window, head_dim = queries.shape
-    kv_heads, slots = keys.shape[1], keys.shape[2]
-    group = heads // kv_heads
-    dev = keys.device
-    pad = pad.to(dev, torch.int32)
-    rows = group * window
-    stats_m = torch.empty((batch * kv_heads * rows,), dtype=torch.float32, device=dev)
-    stats_l = torch.empty_like(stats_m)
-    out = torch.empty((batch, kv_heads, slots), dtype=torch.float32, device=dev)
-    block_m, block_n, block_d = 64, 64, _pow2(head_dim)
-    strides = (*queries.stride(), *keys.stride())
-    meta = dict(WINDOW=window, GROUP=group, HEAD_D=head_dim, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d)
-    wrap_triton(_snapkv_stats_kernel)[(batch * kv_heads, triton.cdiv(rows, block_m))](
-        queries, keys, pad, stats_m, stats_l, *strides, kv_heads, slots, float(scaling), **meta
-    )
-    wrap_triton(_snapkv_mass_kernel)[(batch * kv_heads, triton.cdiv(slots, block_n))](
-        queries, keys, pad, stats_m, stats_l, out, *strides, kv_heads, slots, float(scaling), **meta
-    )
+    out, launches = snapkv_launches(queries, keys, pad.to(keys.device, torch.int32), scaling,
+                                    device_spec(keys.device))
+    _run(launches)
     return out
 
 
