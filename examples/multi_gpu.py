@@ -101,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--gamma", type=int, default=3)
     args = ap.parse_args(argv)
 
-    spec = MagicDecConfig(draft="streamingllm", draft_budget=args.budget, gamma=args.gamma, sink_tokens=4)
+    spec = MagicDecConfig.from_any(draft="streamingllm", draft_budget=args.budget, gamma=args.gamma, sink_tokens=4)
     dtype = torch.bfloat16 if torch.cuda.is_available() else torch.float32
     with tempfile.TemporaryDirectory() as tmp:
         path = _tiny_checkpoint(tmp) if args.tiny else _checkpoint(args.model)

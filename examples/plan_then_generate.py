@@ -39,7 +39,7 @@ def main(argv: list[str] | None = None) -> int:
 
     model, tokenizer = models.load(args.model, progress=False)
     if args.calibrate:  # cached per model, device and dtype; later plans and generate calls use it
-        from hf_magicdec.step_timing import calibrate
+        from hf_magicdec.calibration import calibrate
 
         cal = calibrate(model, base="cpu" if model.device.type == "cpu" else "h100")
         print(f"calibrated in {cal.wall_seconds:.0f} s: {cal.bandwidth / 1e9:.1f} GB/s, {cal.flops / 1e9:.0f} GFLOP/s, "

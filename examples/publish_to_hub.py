@@ -170,7 +170,7 @@ def main(argv: list[str] | None = None) -> int:
 
     options = {k: v for k, v in (("draft", args.draft), ("draft_budget", args.budget), ("gamma", args.gamma))
                if v is not None}
-    hf_magicdec.MagicDecConfig(**options)  # validate before loading anything
+    hf_magicdec.MagicDecConfig.from_any(**options)  # validate before loading anything
     model, tokenizer = models.load(args.model, dtype=getattr(torch, args.dtype), progress=False)
     known = models.KNOWN_MODELS.get(args.model.strip().lower())
     base_model = args.base_model or (known.hub_id if known else args.model)

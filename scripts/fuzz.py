@@ -216,7 +216,7 @@ def _valid(fields: dict) -> bool:
     """What ``MagicDecConfig`` and the view accept (with γ = 1 standing in for ``"auto"``)."""
     cfg = {k: v for k, v in fields.items() if k != "prefill_chunk_size"}
     try:
-        MagicDecConfig(**cfg)
+        MagicDecConfig.from_any(**cfg)
         if cfg.get("draft_budget", "auto") != "auto":
             # An "auto" draft may fall back to another view (hf_magicdec.resolve.SELF_DRAFTS); with
             # none that fits the explicit fields, generate refuses with a ValueError (tested apart).
@@ -225,7 +225,7 @@ def _valid(fields: dict) -> bool:
             for draft in drafts:
                 try:
                     # replace() keeps the options this view has; a resolved config checks the view.
-                    MagicDecConfig(**cfg).replace(draft=draft, gamma=gamma)
+                    MagicDecConfig.from_any(**cfg).replace(draft=draft, gamma=gamma)
                     return True
                 except ValueError:
                     pass

@@ -23,7 +23,7 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 import torch
 from transformers import DynamicCache
 
-from hf_magicdec.step_timing import measure_steps
+from hf_magicdec.calibration import measure_steps
 from hf_magicdec_bench import data, models
 
 

@@ -98,7 +98,7 @@ def test_custom_generate_path_without_patching(llama, batch):
 def test_config_object_and_dict(llama, batch):
     ids, mask = batch
     ref = _gen(llama, ids, mask)
-    cfg = MagicDecConfig(draft="streamingllm", draft_budget=12, sink_tokens=2, gamma=3)
+    cfg = MagicDecConfig.from_any(draft="streamingllm", draft_budget=12, sink_tokens=2, gamma=3)
     out = _gen(llama, ids, mask, speculative=cfg, return_dict_in_generate=True)
     assert torch.equal(ref, out.sequences)
     assert out.speculation.draft_budget == 12 and out.speculation.gamma == 3

@@ -15,7 +15,7 @@ import torch
 from transformers import DynamicCache, StaticCache
 
 from conftest import ARCHS, PAD, make_model, ragged_prompts
-from hf_magicdec.resolve import forget_acceptance
+from hf_magicdec.planner import forget_acceptance
 
 NEW = 10
 SPEC = dict(speculative="magicdec", draft_budget=12, gamma=3)

@@ -70,7 +70,7 @@ SCRIPT = textwrap.dedent("""
 
     # 3. The import path, in the same process, for the same outputs.
     import hf_magicdec
-    routed = model.generate(**kw, speculative=hf_magicdec.MagicDecConfig(**json.loads(sys.argv[3])),
+    routed = model.generate(**kw, speculative=hf_magicdec.MagicDecConfig.from_any(**json.loads(sys.argv[3])),
                             return_dict_in_generate=True)
     result["import_path_identical"] = torch.equal(routed.sequences, stock)
     print("RESULT " + json.dumps(result))
@@ -90,7 +90,7 @@ def test_export_hub_writes_the_layout(tmp_path, capsys):
     compile(code, "generate.py", "exec")
     namespace: dict = {}
     exec(code, namespace)  # noqa: S102  (our own generated file)
-    assert MagicDecConfig.from_any(namespace["SPECULATIVE"]) == MagicDecConfig(draft="snapkv", draft_budget=64, gamma=2)
+    assert MagicDecConfig.from_any(namespace["SPECULATIVE"]) == MagicDecConfig.from_any(draft="snapkv", draft_budget=64, gamma=2)
     assert "def generate(" in code and "import hf_magicdec" in code
     card = (out / "README.md").read_text()
     assert card.startswith("---\nlibrary_name: transformers\n") and "- custom_generate" in card

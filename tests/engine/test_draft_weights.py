@@ -14,7 +14,8 @@ import hf_magicdec
 from conftest import ARCHS, make_model, ragged_prompts
 from hf_magicdec import MagicDecConfig
 from hf_magicdec.engine import draft_weights as dw
-from hf_magicdec.planner import ModelSpec, default_acceptance, plan
+from hf_magicdec.planner import ModelSpec, default_acceptance
+from hf_magicdec.planner import search_plan as plan
 from hf_magicdec.planner.roofline import draft_step
 from hf_magicdec.planner.hardware import get_hardware
 from hf_magicdec.views import get_view
@@ -218,12 +219,12 @@ def test_planner_weighs_full_and_int8_weights():
 
 def test_generate_with_auto_weights_remembers_the_quantized_acceptance():
     model = make_model("llama-gqa3", seed=6)
-    hf_magicdec.resolve.forget_acceptance(model)
+    hf_magicdec.planner.forget_acceptance(model)
     ids, mask = ragged_prompts(batch=2, length=40, seed=3)
     _generate(model, ids, mask, speculative="magicdec", draft="snapkv", draft_budget=8, window=4, gamma=2,
               draft_weights="int8")
-    assert hf_magicdec.resolve.observed_acceptance(model, "snapkv@int8", 8) is not None
-    assert hf_magicdec.resolve.observed_acceptance(model, "snapkv", 8) is None
+    assert hf_magicdec.planner.observed_acceptance(model, "snapkv@int8", 8) is not None
+    assert hf_magicdec.planner.observed_acceptance(model, "snapkv", 8) is None
 
 
 def test_calibration_fits_the_quantized_kernels_rate():
@@ -244,7 +245,7 @@ def test_calibration_fits_the_quantized_kernels_rate():
 
 
 def test_measure_steps_times_the_quantized_draft():
-    from hf_magicdec.step_timing import measure_steps
+    from hf_magicdec.calibration import measure_steps
 
     model = make_model("llama-gqa3", seed=1)
     st = measure_steps(model, 2, 64, gammas=(2,), budgets=(16,), draft=get_view("streamingllm", sink_tokens=2),

@@ -22,7 +22,7 @@ import pytest
 import torch
 from transformers import Gemma2Config, Gemma2ForCausalLM
 
-from hf_magicdec import resolve as auto
+from hf_magicdec.planner import memory as auto
 
 from conftest import EOS, PAD, VOCAB, make_model, ragged_prompts
 
@@ -105,7 +105,7 @@ def test_200_consecutive_calls_keep_memory_and_state_bounded():
     # The acceptance memory holds only the models alive, each with a bounded number of entries.
     with auto._LOCK:
         sizes = {id(m): len(auto._OBSERVED.get(m, {})) for m in models}
-        assert all(0 < n <= auto._MAX_ENTRIES_PER_MODEL for n in sizes.values()), sizes
+        assert all(0 < n <= auto.MAX_ENTRIES_PER_MODEL for n in sizes.values()), sizes
         assert len(auto._OBSERVED) <= len(models) + 8  # other tests' models that are still alive, at most
 
 
@@ -116,10 +116,10 @@ def test_acceptance_memory_is_tied_to_the_model_and_bounded():
     key = auto._model_key(model)
     assert auto._model_key(model) == key  # stable while the model lives
     # Bounded: at most _MAX_ENTRIES_PER_MODEL (draft, budget) pairs, the least recently used dropped.
-    for budget in range(1000, 1000 + 3 * auto._MAX_ENTRIES_PER_MODEL):
+    for budget in range(1000, 1000 + 3 * auto.MAX_ENTRIES_PER_MODEL):
         auto.record_acceptance(model, "snapkv", budget, 1, 2)
-    assert len(auto._OBSERVED[model]) == auto._MAX_ENTRIES_PER_MODEL
-    assert auto.observed_acceptance(model, "snapkv", 1000 + 3 * auto._MAX_ENTRIES_PER_MODEL - 1) == 0.5
+    assert len(auto._OBSERVED[model]) == auto.MAX_ENTRIES_PER_MODEL
+    assert auto.observed_acceptance(model, "snapkv", 1000 + 3 * auto.MAX_ENTRIES_PER_MODEL - 1) == 0.5
     assert auto.observed_acceptance(model, "streamingllm", 64) is None  # evicted
     # Gone with the model: a later model (whatever id() it gets) starts from the prior.
     ref, old_id, n_before = weakref.ref(model), id(model), len(auto._OBSERVED)
@@ -128,7 +128,7 @@ def test_acceptance_memory_is_tied_to_the_model_and_bounded():
     assert ref() is None and len(auto._OBSERVED) == n_before - 1
     for seed in range(20):  # models at the freed address, if the allocator reuses it
         other = make_model("mistral-mha", seed=3)
-        assert auto.observed_acceptance(other, "snapkv", 1000 + 3 * auto._MAX_ENTRIES_PER_MODEL - 1) is None
+        assert auto.observed_acceptance(other, "snapkv", 1000 + 3 * auto.MAX_ENTRIES_PER_MODEL - 1) is None
         assert auto._model_key(other) != key
         if id(other) == old_id:
             break

@@ -20,8 +20,9 @@ import torch
 
 from conftest import EOS, make_model, ragged_prompts
 
-from hf_magicdec.engine import buffers as cache_mod
-from hf_magicdec.engine.buffers import grown_capacity, initial_capacity
+from hf_magicdec.engine.cache import CacheOptions
+from hf_magicdec.engine.cache import buffers as cache_mod
+from hf_magicdec.engine.cache.buffers import grown_capacity, initial_capacity
 from hf_magicdec.engine.cache import MagicDecCache
 from hf_magicdec import shared_prefill
 
@@ -61,7 +62,7 @@ def model():
 # ------------------------------------------------------------------ the cache itself
 def _filled_cache(capacity=12, prompt=8, pad=(0, 3), layers=2):
     torch.manual_seed(0)
-    cache = MagicDecCache(layers, len(pad), capacity, torch.tensor(pad), max_capacity=40)
+    cache = MagicDecCache(layers, len(pad), capacity, torch.tensor(pad), CacheOptions(max_capacity=40))
     cache.begin_prefill(0, prompt)
     for i in range(layers):
         cache.update(torch.randn(len(pad), 2, prompt, 4), torch.randn(len(pad), 2, prompt, 4), i)
@@ -98,7 +99,7 @@ def test_reserve_refuses_during_a_forward_and_after_release():
     cache.begin_verify(2)
     with pytest.raises(RuntimeError, match="between steps"):
         cache.reserve(30)
-    cache._mode = None
+    cache.commit(torch.zeros(2, dtype=torch.long))  # the verify forward is closed by its commit
     cache.release_full_kv()
     assert cache.capacity == 0 and all(layer.keys.shape[2] == 0 for layer in cache.layers)
 

@@ -1,12 +1,19 @@
-"""One device→host read per speculation step on the default path (greedy, EOS, no processors or
+"""One device→host read per speculation step on the default path (greedy or sampling with
+temperature / top-k / top-p, with or without an EOS token, fixed or adaptive γ, no processors or
 criteria of the user's): what a GPU pays a pipeline stall for. Counted by wrapping the Tensor
 methods that read device memory on the host (``item``, ``tolist``, ``__bool__``, ``__int__``,
-``nonzero``); on a GPU ``torch.cuda.set_sync_debug_mode`` would flag the same places."""
+``nonzero``); on a GPU ``torch.cuda.set_sync_debug_mode`` would flag the same places.
+
+Options that add reads (docs/kernels.md, "Host reads"): logits processors that depend on the tokens
+or the position (repetition penalty, min_new_tokens, n-gram bans …: one call per distinct row
+length), stopping criteria of the user's and ``stop_strings``, ``refresh_every`` / ``refresh_below``,
+``output_scores`` / ``output_logits`` and a streamer (per emitted token)."""
 
 from __future__ import annotations
 
 import contextlib
 
+import pytest
 import torch
 
 from conftest import EOS, make_model, ragged_prompts
@@ -36,17 +43,29 @@ def counting_host_reads():
 
 def _reads_and_steps(model, max_new_tokens: int, **options):
     ids, mask = ragged_prompts(batch=4, length=24, seed=1)
+    options = {"do_sample": False, "eos_token_id": EOS, **options}
+    torch.manual_seed(0)
     with counting_host_reads() as counts:
-        out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False,
-                             eos_token_id=EOS, speculative="magicdec", return_dict_in_generate=True, **options)
+        out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens,
+                             speculative="magicdec", return_dict_in_generate=True, **options)
     return counts["n"], out.speculation.steps, out
 
 
-def test_one_host_read_per_step(monkeypatch):
+CASES = {
+    "fixed γ, EOS": dict(gamma=3),
+    "fixed γ, no EOS": dict(gamma=3, eos_token_id=None),  # stock's no-EOS stopping rule, on the device
+    "adaptive γ, EOS": dict(gamma="auto", adaptive_gamma=True),  # the accepted count rides in the step's read
+    "adaptive γ, no EOS": dict(gamma="auto", adaptive_gamma=True, eos_token_id=None),
+    "sampling": dict(gamma=3, do_sample=True, temperature=0.8, top_k=20, top_p=0.9),  # row-local warpers
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_one_host_read_per_step(monkeypatch, case):
     import hf_magicdec.api
 
     model = make_model("llama-gqa3")
-    options = dict(draft="streamingllm", draft_budget=12, sink_tokens=2, gamma=3)
+    options = dict(draft="streamingllm", draft_budget=12, sink_tokens=2, **CASES[case])
     # Without the cache hand-back (once per generation, counted below), so that the difference
     # between a short and a long run is the per-step reads alone.
     monkeypatch.setattr(hf_magicdec.api, "outlives_call", lambda cache, gen: False)

@@ -66,7 +66,7 @@ def run_case(model, case: dict, rank: int, per_rank: bool) -> dict:
     """One MagicDec generate call; returns what the test compares."""
     ids, mask, new = prompts(rank, per_rank)
     options = {"streamingllm": dict(sink_tokens=4), "snapkv": dict(window=8)}[case["draft"]]
-    spec = MagicDecConfig(draft=case["draft"], draft_budget=case["draft_budget"], gamma=case["gamma"],
+    spec = MagicDecConfig.from_any(draft=case["draft"], draft_budget=case["draft_budget"], gamma=case["gamma"],
                           prefill_chunk_size=16, **options)
     kwargs = dict(input_ids=ids, attention_mask=mask, max_new_tokens=new, do_sample=case["do_sample"],
                   eos_token_id=EOS if case["eos"] else None, pad_token_id=PAD)

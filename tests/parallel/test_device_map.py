@@ -16,7 +16,7 @@ from hf_magicdec.engine.cache import MagicDecCache
 from hf_magicdec.parallel.device_map import cache_bytes_per_layer, plan_device_map
 from hf_magicdec.planner import ModelSpec
 
-SPEC = MagicDecConfig(draft="streamingllm", draft_budget=16, gamma=3, sink_tokens=4, prefill_chunk_size=16)
+SPEC = MagicDecConfig.from_any(draft="streamingllm", draft_budget=16, gamma=3, sink_tokens=4, prefill_chunk_size=16)
 LAYERS = 4
 
 
@@ -95,15 +95,13 @@ def _copies_per_step(meta_layers: int) -> int:
         keys = torch.randn(batch, heads, prompt, dim, device=device)
         layer.update(keys, keys.clone())
     cache.end_prefill(prompt)
-    config = SPEC.replace(draft_budget=8, sink_tokens=2)
-    cache.build_draft_views(config.view, config, prompt, 16)
-    segments = getattr(cache, "attention_segments", None)  # what the attention kernels read per layer
+    config = MagicDecConfig.from_any(SPEC, draft_budget=8, sink_tokens=2)
+    cache.build_draft_views(config.view, config.draft_budget, config.gamma, prompt, 16)
     with _CountCopiesTo() as counter:
         for begin, tokens in ((lambda: cache.begin_draft(0), 1), (lambda: cache.begin_verify(q), q)):
-            begin()
+            forward = begin()
             for layer, device in zip(cache.layers, devices):
-                if segments is not None:
-                    segments(torch.device(device))
+                forward.segments(torch.device(device))  # what the attention kernels read per layer
                 keys = torch.randn(batch, heads, tokens, dim, device=device)
                 layer.update(keys, keys.clone())
         cache.commit(torch.tensor([1, 3]))

@@ -147,7 +147,7 @@ def test_single_process_helpers_are_no_ops(tiny_models):
     a, b = torch.tensor([1, 2]), torch.tensor([3])
     assert lockstep.share(a) is a and lockstep.share(a, b) == (a, b)
     assert lockstep.agree({"x": 1}) == {"x": 1} and lockstep.pool(3, 4) == (3, 4)
-    assert lockstep.keep_going(True, 3) and not lockstep.keep_going(False, 3)
+    assert lockstep.any_alive(True) and not lockstep.any_alive(False)
 
 
 def test_planner_uses_tp_degree(tiny_models):
@@ -170,6 +170,6 @@ def test_synced_gpus_single_process_equals_stock(tiny_models):
     ids, mask = worker.prompts(0, per_rank=False)[:2]
     kwargs = dict(input_ids=ids, attention_mask=mask, max_new_tokens=12, do_sample=False, eos_token_id=None)
     reference = model.generate(**kwargs)
-    out = model.generate(**kwargs, speculative=hf_magicdec.MagicDecConfig(draft="streamingllm", draft_budget=16,
+    out = model.generate(**kwargs, speculative=hf_magicdec.MagicDecConfig.from_any(draft="streamingllm", draft_budget=16,
                                                                          gamma=3, sink_tokens=4), synced_gpus=True)
     assert torch.equal(out, reference)

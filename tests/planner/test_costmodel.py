@@ -31,7 +31,7 @@ from hf_magicdec.planner import (
     verify_step,
 )
 from hf_magicdec.planner import calibrate as cal
-from hf_magicdec.planner import plan as costmodel_plan
+from hf_magicdec.planner import search_plan as costmodel_plan
 from hf_magicdec.planner.search import DEFAULT_DRAFTS
 from hf_magicdec.views import available_views, get_view
 
@@ -359,7 +359,7 @@ def test_plan_fields_and_config():
     assert [e.speedup for e in p.runner_ups] == sorted((e.speedup for e in p.runner_ups), reverse=True)
     assert all(e.speedup <= p.predicted_speedup for e in p.runner_ups)
     config = MagicDecConfig.from_any(p)
-    assert (config.draft, config.draft_budget, config.gamma) == (p.draft, p.draft_budget, p.gamma)
+    assert (config.draft_name, config.draft_budget, config.gamma) == (p.draft, p.draft_budget, p.gamma)
     assert json.dumps(p.to_dict())
     with pytest.raises(AttributeError):
         p.gamma = 3  # frozen
@@ -419,7 +419,7 @@ def test_plan_uses_the_views_geometry():
                        drafts=(wide,), budgets=(128, 256), gammas=(2,))
     assert p.draft_budget == 256 and {e.draft_budget for e in p.runner_ups} <= {256}
     assert p.draft_options == {"sink_tokens": 200}
-    assert MagicDecConfig.from_any(p) == hf_magicdec.MagicDecConfig(draft=wide, draft_budget=256, gamma=p.gamma,
+    assert MagicDecConfig.from_any(p) == hf_magicdec.MagicDecConfig.from_any(draft=wide, draft_budget=256, gamma=p.gamma,
                                                                      draft_weights="full")
     assert json.dumps(p.to_dict())
     none = costmodel_plan(LLAMA, batch_size=64, prompt_len=32768, new_tokens=128, hardware="h100",
@@ -434,7 +434,7 @@ def test_view_fits_agrees_with_config_validation(name):
     for budget in (1, 16, 17, 20, 32, 33, 40, 64, 128, 256):
         for gamma in (0, 1, 4, 8, 20, 32, 33):
             try:
-                hf_magicdec.MagicDecConfig(draft=name, draft_budget=budget, gamma=gamma)
+                hf_magicdec.MagicDecConfig.from_any(draft=name, draft_budget=budget, gamma=gamma)
                 ok = True
             except ValueError:
                 ok = False
@@ -546,13 +546,13 @@ def test_calibrate_smoke_on_tiny_model(tmp_path):
     """Real forwards of a tiny random-weight model through the engine: a few seconds."""
     from conftest import make_model
 
-    from hf_magicdec import step_timing
+    from hf_magicdec import calibration
 
     model = make_model("llama-gqa3")
-    steps = step_timing.measure_steps(model, 2, 96, gammas=(1, 3), budgets=(32, 64), repeats=1)
+    steps = calibration.measure_steps(model, 2, 96, gammas=(1, 3), budgets=(32, 64), repeats=1)
     assert steps.t_target > 0 and set(steps.t_verify) == {1, 3} and set(steps.t_draft) == {32, 64}
     assert [m.kind for m in steps.measurements()] == ["target", "verify", "verify", "draft", "draft"]
-    result = step_timing.calibrate(model, name="tiny", points=((1, 64), (2, 96)), gammas=(1, 3), budgets=(32,),
+    result = calibration.calibrate(model, name="tiny", points=((1, 64), (2, 96)), gammas=(1, 3), budgets=(32,),
                            repeats=1, passes=1, cache_dir=tmp_path)
     assert result.bandwidth > 0 and result.flops > 0 and result.overhead >= 0
     import torch
@@ -565,20 +565,20 @@ def test_calibrate_smoke_on_tiny_model(tmp_path):
     path = cal.calibration_path("tiny", result.spec, result.device, result.dtype, tmp_path)
     assert path.is_file()
     # Cached: the second call reads the file instead of measuring.
-    assert step_timing.calibrate(model, name="tiny", cache_dir=tmp_path) == result
-    alpha = step_timing.probe_acceptance(model, draft="streamingllm", budget=32, gamma=2, context=64, new_tokens=8)
+    assert calibration.calibrate(model, name="tiny", cache_dir=tmp_path) == result
+    alpha = calibration.probe_acceptance(model, draft="streamingllm", budget=32, gamma=2, context=64, new_tokens=8)
     assert 0.0 <= alpha <= 1.0
     with pytest.raises(ValueError, match="budget"):
-        step_timing.probe_acceptance(model, budget=64, context=64)
+        calibration.probe_acceptance(model, budget=64, context=64)
 
 
 def test_measure_steps_on_a_sliding_window_model():
     """Timing caches carry no generation length: a model with a sliding window can be timed."""
     from conftest import make_model
-    from hf_magicdec import step_timing
+    from hf_magicdec import calibration
 
     model = make_model("mistral-mha", sliding_window=64)
-    steps = step_timing.measure_steps(model, 2, 96, gammas=(1,), budgets=(32,), repeats=1)
+    steps = calibration.measure_steps(model, 2, 96, gammas=(1,), budgets=(32,), repeats=1)
     assert steps.t_target > 0 and steps.t_draft[32] > 0
 
 

@@ -17,14 +17,14 @@ RATIOS = dict(draft_ratio=0.3, verify_ratio={g: 1.0 + 0.05 * g for g in range(1,
 def test_config_auto_fields_and_validation():
     cfg = MagicDecConfig()
     assert not cfg.is_resolved and cfg.planner_may_decline and cfg.adaptive
-    assert MagicDecConfig(draft_budget=64, sink_tokens=4).adaptive  # gamma auto -> adapts
-    assert not MagicDecConfig(gamma=3).adaptive and not MagicDecConfig(gamma=3).planner_may_decline
-    assert MagicDecConfig(gamma=3, adaptive_gamma=True).adaptive and not MagicDecConfig(gamma=0).adaptive
+    assert MagicDecConfig.from_any(draft_budget=64, sink_tokens=4).adaptive  # gamma auto -> adapts
+    assert not MagicDecConfig.from_any(gamma=3).adaptive and not MagicDecConfig.from_any(gamma=3).planner_may_decline
+    assert MagicDecConfig.from_any(gamma=3, adaptive_gamma=True).adaptive and not MagicDecConfig.from_any(gamma=0).adaptive
     for bad, fragment in ((dict(gamma="3"), "gamma"), (dict(draft_budget=0), "draft_budget"),
                           (dict(max_gamma=0), "max_gamma"), (dict(hardware="tpu"), "tpu"),
                           (dict(adaptive_gamma="yes"), "adaptive_gamma"), (dict(draft="auto-ish"), "auto-ish")):
         with pytest.raises(ValueError, match=fragment):
-            MagicDecConfig(**bad)
+            MagicDecConfig.from_any(**bad)
 
 
 def test_gamma_controller_follows_acceptance():
@@ -87,7 +87,7 @@ def test_adaptive_gamma_with_explicit_start_and_sampling_is_reproducible(tiny_mo
 
 def test_explicit_hardware_preset_reaches_the_planner(tiny_models):
     model = tiny_models("llama-gqa3")
-    res = resolve(MagicDecConfig(hardware="h100", draft_budget=16, sink_tokens=2), model, 2, 64, 16)
+    res = resolve(MagicDecConfig.from_any(hardware="h100", draft_budget=16, sink_tokens=2), model, 2, 64, 16)
     assert res.plan.hardware.startswith("H100") and res.config.is_resolved and res.config.draft_budget == 16
 
 
@@ -106,7 +106,7 @@ def test_adaptive_start_above_max_gamma_is_clamped(tiny_models):
     ids, mask = ragged_prompts(batch=2, length=40, seed=4)
     kwargs = dict(input_ids=ids, attention_mask=mask, max_new_tokens=20, do_sample=False, eos_token_id=None)
     reference = model.generate(**kwargs)
-    cfg = MagicDecConfig(draft="streamingllm", draft_budget=24, sink_tokens=2, gamma=6, adaptive_gamma=True,
+    cfg = MagicDecConfig.from_any(draft="streamingllm", draft_budget=24, sink_tokens=2, gamma=6, adaptive_gamma=True,
                          max_gamma=3)
     out = model.generate(**kwargs, speculative=cfg, return_dict_in_generate=True)
     assert torch.equal(out.sequences, reference)

@@ -15,17 +15,7 @@ import hf_magicdec
 from conftest import RecentOnly, ragged_prompts
 from hf_magicdec import MagicDecConfig
 from hf_magicdec import views as views_module
-from hf_magicdec.views import (
-    Dynamic,
-    DynamicView,
-    Full,
-    SnapKV,
-    SnapKVView,
-    StreamingLLM,
-    StreamingLLMView,
-    get_view,
-    register_view,
-)
+from hf_magicdec.views import Dynamic, Full, SnapKV, StreamingLLM, get_view, register_view
 
 
 # ---------------------------------------------------------------------------------- the views
@@ -41,9 +31,11 @@ from hf_magicdec.views import (
         (lambda: Dynamic(recent_window=True), r"recent_window .* got self.recent_window=True"),
         (lambda: get_view("snapkv", window="8"), r"window must be an int, got '8' \(str\)"),
         (lambda: get_view("snapkv", sink_tokens=2), r"'snapkv' draft view has no option\(s\) \['sink_tokens'\]"),
-        (lambda: MagicDecConfig(draft="snapkv", pool_kernel=4), "pool_kernel"),
-        (lambda: MagicDecConfig(pool_kernel=4), "pool_kernel"),  # "auto": checked by the views that have it
-        (lambda: MagicDecConfig(draft="dynamic", page_size=0), "page_size"),
+        (lambda: MagicDecConfig.from_any(draft="snapkv", pool_kernel=4), "pool_kernel"),
+        (lambda: MagicDecConfig.from_any(pool_kernel=4), "pool_kernel"),  # "auto": checked by the views that have it
+        (lambda: MagicDecConfig.from_any(draft="dynamic", page_size=0), "page_size"),
+        # "auto" chooses among streamingllm and snapkv: another view's option is refused, naming the view
+        (lambda: MagicDecConfig.from_any(page_size=8), r"belong to the 'dynamic' draft view.*pass draft='dynamic'"),
     ],
 )
 def test_view_options_are_validated_with_clear_errors(make, match):
@@ -51,9 +43,9 @@ def test_view_options_are_validated_with_clear_errors(make, match):
         make()
 
 
-def test_views_are_frozen_dataclasses_and_keep_their_old_names():
+def test_views_are_frozen_dataclasses():
     view = SnapKV(window=16)
-    assert (SnapKVView, StreamingLLMView, DynamicView) == (SnapKV, StreamingLLM, Dynamic)
+    assert not hasattr(views_module, "SnapKVView")  # the former names are gone (docs/changelog.md)
     assert view == get_view("snapkv", window=16) and hash(view) == hash(SnapKV(window=16))
     assert view.options() == {"window": 16, "recent_window": None, "pool_kernel": 5}
     with pytest.raises(dataclasses.FrozenInstanceError):
@@ -78,33 +70,43 @@ def test_geometry_takes_budget_and_gamma():
 
 
 # ---------------------------------------------------------------------------------- the config
-def test_config_routes_view_options():
-    a = MagicDecConfig(draft="snapkv", window=16, draft_budget=64, gamma=3)
+def test_config_holds_a_view_and_from_any_parses_names_and_flat_options():
+    a = MagicDecConfig.from_any(draft="snapkv", window=16, draft_budget=64, gamma=3)
     b = MagicDecConfig(draft=SnapKV(window=16), draft_budget=64, gamma=3)
-    assert a == b and hash(a) == hash(b) and a.draft == "snapkv" and a.view == SnapKV(window=16)
-    assert a.view_options == {"window": 16}
+    assert a == b and hash(a) == hash(b) and a.draft == SnapKV(window=16) and a.view == SnapKV(window=16)
+    assert a.draft_name == "snapkv" and a.candidates == ()
     assert MagicDecConfig.from_any({"draft": "snapkv", "window": 16, "draft_budget": 64, "gamma": 3}) == a
     assert MagicDecConfig.from_any("magicdec", draft="snapkv", window=16, draft_budget=64, gamma=3) == a
     assert MagicDecConfig.from_any(a, window=None) is a  # None overrides are ignored
     assert json.loads(json.dumps(a.to_dict()))["window"] == 16 and MagicDecConfig.from_any(a.to_dict()) == a
-    assert a.replace(window=8).view == SnapKV(window=8) and a.replace(draft="snapkv") == a
-    assert MagicDecConfig().view is None
-    # "auto": each option goes to whichever view has it; choosing the view keeps the ones it has.
-    auto = MagicDecConfig(sink_tokens=2, window=8)
-    assert auto.view_for("streamingllm") == StreamingLLM(sink_tokens=2) and auto.view_for("snapkv") == SnapKV(window=8)
-    assert auto.replace(draft="snapkv").view_options == {"window": 8}
-    assert auto.replace(draft=SnapKV(pool_kernel=3)).view_options == {"pool_kernel": 3}
-    assert MagicDecConfig(draft=SnapKV(), window=32) == MagicDecConfig(draft="snapkv", window=32)
+    assert MagicDecConfig.from_any(a, window=8).view == SnapKV(window=8)
+    assert MagicDecConfig.from_any(a, draft="snapkv") == a
+    assert MagicDecConfig().view is None and MagicDecConfig().draft_name == "auto"
+    # "auto": each option goes to the candidates that have it; choosing a view keeps the ones it has.
+    auto = MagicDecConfig.from_any(sink_tokens=2, window=8)
+    assert auto.candidates == (StreamingLLM(sink_tokens=2), SnapKV(window=8))
+    assert MagicDecConfig().candidates == (StreamingLLM(), SnapKV())
+    assert MagicDecConfig.from_any(auto, draft="snapkv").view == SnapKV(window=8)
+    assert MagicDecConfig.from_any(auto, draft=SnapKV(pool_kernel=3)).view == SnapKV(pool_kernel=3)
+    assert MagicDecConfig.from_any(auto.to_dict()) == auto
+    assert MagicDecConfig.from_any(draft=SnapKV(), window=32) == MagicDecConfig.from_any(draft="snapkv", window=32)
+    only = MagicDecConfig.from_any(candidates=["dynamic"], page_size=8)
+    assert only.candidates == (Dynamic(page_size=8),) and MagicDecConfig.from_any(only.to_dict()) == only
+    # The constructor takes the one representation: names go through from_any.
+    with pytest.raises(ValueError, match=r"takes a view instance .* got the name 'snapkv'.*from_any"):
+        MagicDecConfig(draft="snapkv")
+    with pytest.raises(TypeError):
+        MagicDecConfig(draft=SnapKV(), window=16)  # flat options are from_any's
 
 
 def test_config_refuses_options_of_no_view_or_of_another_view():
     with pytest.raises(ValueError, match=r"Unknown MagicDec option\(s\) \['windw'\]; known: .*'window'"):
-        MagicDecConfig(draft="snapkv", windw=16)
+        MagicDecConfig.from_any(draft="snapkv", windw=16)
     with pytest.raises(ValueError, match=r"'streamingllm' draft view has no option\(s\) \['window'\]; "
                                          r"its options: \['sink_tokens'\]"):
-        MagicDecConfig(draft="streamingllm", window=16)
+        MagicDecConfig.from_any(draft="streamingllm", window=16)
     with pytest.raises(ValueError, match="both"):
-        MagicDecConfig(draft=SnapKV(window=16), window=8)
+        MagicDecConfig.from_any(draft=SnapKV(window=16), window=8)
 
     @dataclass(frozen=True)
     class Unregistered(StreamingLLM):
@@ -131,16 +133,16 @@ def test_registering_a_view_later_reaches_config_and_generate(monkeypatch):
 
     try:
         register_view(Late)
-        assert "late_knob" in inspect.signature(hf_magicdec.generate).parameters  # HF's custom_generate path
         assert "late_knob" in MagicDecConfig.option_names()
-        assert MagicDecConfig(draft="late", late_knob=2).view == Late(late_knob=2)
+        assert MagicDecConfig.from_any(draft="late", late_knob=2).view == Late(late_knob=2)
         register_view(Late(late_knob=5))  # an instance: its fields become the defaults
         assert get_view("late") == Late(late_knob=5) and get_view("late", sink_tokens=2) == Late(2, 5)
-        assert MagicDecConfig(draft=Late(late_knob=5)).view_options == {}
+        assert MagicDecConfig(draft=Late(late_knob=5)).to_dict()["draft"] == "late"
+        assert "late_knob" not in MagicDecConfig(draft=Late(late_knob=5)).to_dict()  # the default now
     finally:
         monkeypatch.undo()
-        for listener in views_module._LISTENERS:
-            listener()
+    assert "late_knob" not in MagicDecConfig.option_names()
+    # generate's signature is fixed: options reach it through the routing, not named parameters.
     assert "late_knob" not in inspect.signature(hf_magicdec.generate).parameters
 
 

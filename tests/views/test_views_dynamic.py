@@ -7,7 +7,7 @@ import torch
 
 from hf_magicdec import MagicDecConfig
 from hf_magicdec.engine.cache import MagicDecCache
-from hf_magicdec.engine.refresh import recent_attention_mass
+from hf_magicdec.engine.refresh import Refresher, recent_attention_mass
 from hf_magicdec.views import get_view
 from hf_magicdec.views.dynamic import page_scores, page_summaries
 
@@ -84,14 +84,14 @@ def test_selected_pages_are_the_true_top_pages_and_never_padding_or_window():
     for b, p in enumerate(pad):
         keys[b, :, :p] = lure[b, :, None]
     keys[:, :, -10:] = lure[:, :, None]
-    config = MagicDecConfig(draft="dynamic", draft_budget=30, sink_tokens=3, page_size=5, recent_window=10, gamma=2)
+    config = MagicDecConfig.from_any(draft="dynamic", draft_budget=30, sink_tokens=3, page_size=5, recent_window=10, gamma=2)
     cache = _cache(keys, pad)
-    cache.build_draft_views(config.view, config, prompt, max_new_tokens=8)
+    cache.build_draft_views(config.view, config.draft_budget, config.gamma, prompt, max_new_tokens=8)
     ks, w = cache.static_slots, cache.window_slots
     assert (ks, w) == (3 + 3 * 5, 12)  # 3 sinks + 3 pages; the window takes the rest of the budget
     before = _static_slots(cache).clone()
     cache.begin_draft(0)
-    cache.before_attention(0, query, D**-0.5)
+    cache.forward.before_attention(0, query, D**-0.5)
     static = _static_slots(cache)
     for b, p in enumerate(pad):
         n = prompt - p
@@ -114,14 +114,14 @@ def test_refill_follows_the_query_from_step_to_step():
     keys = torch.randn(1, HKV, prompt, D) * 0.1
     keys[0, :, 20:24, 0] = 5.0  # a "needle" page for queries along +e0
     keys[0, :, 40:44, 1] = 5.0  # and one for +e1
-    config = MagicDecConfig(draft="dynamic", draft_budget=16, sink_tokens=0, page_size=4, recent_window=12, gamma=2)
+    config = MagicDecConfig.from_any(draft="dynamic", draft_budget=16, sink_tokens=0, page_size=4, recent_window=12, gamma=2)
     cache = _cache(keys, [0])
-    cache.build_draft_views(config.view, config, prompt, max_new_tokens=4)
+    cache.build_draft_views(config.view, config.draft_budget, config.gamma, prompt, max_new_tokens=4)
     for axis, needle in ((0, range(20, 24)), (1, range(40, 44)), (0, range(20, 24))):
         query = torch.zeros(1, HKV * GROUP, 1, D)
         query[..., axis] = 1.0
         cache.begin_draft(0)
-        cache.before_attention(0, query, 1.0)
+        cache.forward.before_attention(0, query, 1.0)
         assert _static_slots(cache)[0].tolist() == [list(needle)] * HKV
 
 
@@ -136,14 +136,14 @@ def test_dynamic_view_retrieves_what_attention_needs():
     full = torch.softmax(query[0, 0] @ keys[0, 0].T, -1) @ vals[0, 0]
 
     def view_output(draft, **extra):
-        config = MagicDecConfig(draft=draft, draft_budget=32, gamma=2, **extra)
+        config = MagicDecConfig.from_any(draft=draft, draft_budget=32, gamma=2, **extra)
         cache = MagicDecCache(1, 1, prompt + 8, torch.tensor([0]))
         cache.begin_prefill(0, prompt)
         cache.update(keys, vals, 0)
         cache.end_prefill(prompt)
-        cache.build_draft_views(config.view, config, prompt, max_new_tokens=4)
+        cache.build_draft_views(config.view, config.draft_budget, config.gamma, prompt, max_new_tokens=4)
         cache.begin_draft(0)
-        cache.before_attention(0, query, 1.0)
+        cache.forward.before_attention(0, query, 1.0)
         layer, n = cache.layers[0], cache.static_slots + cache.window_slots
         return torch.softmax(query[0, 0] @ layer.draft_keys[0, 0, :n].T, -1) @ layer.draft_values[0, 0, :n]
 
@@ -166,12 +166,12 @@ def test_budget_covering_the_prompt_accepts_everything(tiny_models, arch):
 
 def test_dynamic_config_validation():
     with pytest.raises(ValueError, match="at least one page"):
-        MagicDecConfig(draft="dynamic", draft_budget=32, sink_tokens=16, page_size=16, gamma=3)
+        MagicDecConfig.from_any(draft="dynamic", draft_budget=32, sink_tokens=16, page_size=16, gamma=3)
     with pytest.raises(ValueError, match="page_size"):
-        MagicDecConfig(draft="dynamic", page_size=0)
+        MagicDecConfig.from_any(draft="dynamic", page_size=0)
     with pytest.raises(ValueError, match="re-selects its view"):
-        MagicDecConfig(draft="dynamic", draft_budget=256, gamma=3, refresh_every=8)
-    view = MagicDecConfig(draft="dynamic", draft_budget=256, gamma=3).view  # defaults: 16 sinks, pages of 16
+        MagicDecConfig.from_any(draft="dynamic", draft_budget=256, gamma=3, refresh_every=8)
+    view = MagicDecConfig.from_any(draft="dynamic", draft_budget=256, gamma=3).view  # defaults: 16 sinks, pages of 16
     assert (view.static_slots(256, 4096), view.window_slots(256, 3, 4096, 128)) == (16 + 11 * 16, 64)
     assert view == get_view("dynamic") and view.fits(256, 3) and not view.fits(32, 3)
 
@@ -225,13 +225,15 @@ def test_refresh_reselects_what_recent_queries_attend_to():
     keys[:, :, 10:18, 3] = 4.0  # what the prompt's observation window attends to
     cache = _cache(keys, [0, 6])
     # Observation queries that look elsewhere (along e3): SnapKV keeps slots 10..17.
-    cache.layers[0].observed_queries = torch.zeros(batch, HKV * GROUP, 4, D)
-    cache.layers[0].observed_queries[..., 3] = 1.0
-    cache.layers[0].scaling = 1.0
-    config = MagicDecConfig(draft="snapkv", draft_budget=16, window=4, recent_window=8, pool_kernel=1, gamma=2,
-                            refresh_every=3)
-    cache.build_draft_views(config.view, config, prompt, max_new_tokens=16)
-    assert cache.refresher is not None and cache.static_slots == 8
+    observed = torch.zeros(batch, HKV * GROUP, 4, D)
+    observed[..., 3] = 1.0
+    cache.layers[0].observe(observed, 1.0, window=4)
+    config = MagicDecConfig.from_any(draft="snapkv", draft_budget=16, window=4, recent_window=8, pool_kernel=1,
+                                     gamma=2, refresh_every=3)
+    cache.build_draft_views(config.view, config.draft_budget, config.gamma, prompt, max_new_tokens=16)
+    refresher = Refresher.create(config.view, config, cache)
+    cache.attach(refresher)  # what the self-drafter does
+    assert refresher is not None and cache.static_slots == 8
     assert _static_slots(cache).sort(-1).values.tolist() == [[list(range(10, 18))] * HKV] * batch
     for step in range(2):
         cache.begin_verify(3)
@@ -241,16 +243,16 @@ def test_refresh_reselects_what_recent_queries_attend_to():
         cache.update(k, v, 0)
         query = torch.zeros(batch, HKV * GROUP, 3, D)
         query[..., 2] = 4.0  # the recent queries attend to slots 30..33
-        cache.before_attention(0, query, 1.0)
+        cache.forward.before_attention(0, query, 1.0)
         keep = torch.tensor([2, 1])
         cache.commit(keep)
-        fired = cache.refresher.after_commit(cache, keep, keep - 1, 2)
+        fired = refresher.after_commit(cache, keep, keep - 1, 2)
         assert fired == (1 if step == 1 else 0)  # row 0 reaches 3 committed tokens at step 2
     static = _static_slots(cache)
     assert set(range(30, 34)) <= set(static[0, 0].tolist()) and set(range(30, 34)) <= set(static[0, 1].tolist())
     assert not set(range(30, 34)) & set(static[1, 0].tolist())  # row 1 (2 tokens so far) is not due yet
     for b, pad in enumerate([0, 6]):
-        ring_start = int(cache.lengths[b] - torch.minimum(cache.ring_ptr, cache.ring_size)[b])
+        ring_start = int(cache.lengths[b] - cache.geometry.window_filled()[b])
         for h in range(HKV):
             got = static[b, h].tolist()
             assert len(set(got)) == 8 and min(got) >= pad and max(got) < ring_start  # no padding, no duplicates
@@ -260,8 +262,8 @@ def test_refresh_config_validation():
     for bad in (dict(refresh_every=0), dict(refresh_every=2.5), dict(refresh_below=0), dict(refresh_below=1.5),
                 dict(refresh_below=True)):
         with pytest.raises(ValueError, match="refresh_"):
-            MagicDecConfig(draft="snapkv", **bad)
-    MagicDecConfig(draft="snapkv", draft_budget=256, gamma=3, refresh_every=64, refresh_below=0.6)
+            MagicDecConfig.from_any(draft="snapkv", **bad)
+    MagicDecConfig.from_any(draft="snapkv", draft_budget=256, gamma=3, refresh_every=64, refresh_below=0.6)
 
 
 # ---------------------------------------------------------------------------------- cost model
@@ -269,7 +271,7 @@ def test_cost_model_charges_dynamic_selection():
     """Per draft step, dynamic reads 2/P of the context's keys (page min / max) and gathers the
     budget's K and V (read + write); static views pay nothing extra. H100 is memory-bound here."""
     from hf_magicdec.planner import ModelSpec, estimate, get_hardware
-    from hf_magicdec.planner.search import plan
+    from hf_magicdec.planner.search import search_plan as plan
     from hf_magicdec.planner.selection import selection_seconds
 
     spec = ModelSpec(name="toy", layers=32, hidden=4096, heads=32, kv_heads=8, head_dim=128, intermediate=14336,
@@ -296,5 +298,5 @@ def test_cost_model_charges_dynamic_selection():
     assert p.draft == "snapkv" and any(e.draft == "dynamic" for e in p.runner_ups)
     only = plan(spec, batch_size=batch, prompt_len=context, new_tokens=128, hardware="h100",
                 drafts=(get_view("dynamic", page_size=32),))
-    assert only.draft == "dynamic" and MagicDecConfig.from_any(only) == MagicDecConfig(
+    assert only.draft == "dynamic" and MagicDecConfig.from_any(only) == MagicDecConfig.from_any(
         draft="dynamic", draft_budget=only.draft_budget, gamma=only.gamma, page_size=32, draft_weights="full")

@@ -108,9 +108,10 @@ def magicdec_attention_forward(
 
     ``magicdec_cache`` is the engine's :class:`~hf_magicdec.engine.cache.MagicDecCache`, passed down as a
     forward kwarg (or, for models that do not pass kwargs down, found in :data:`ACTIVE_CACHE`,
-    which the engine sets around its forwards in its own thread). During prefill it records the observation-window queries SnapKV scores with;
-    during draft and verify it describes each row's key ranges (:class:`~hf_magicdec.kernels.Segments`),
-    which the kernels read instead of the 4-D mask. Without it the call is not the engine's, and
+    which the engine sets around its forwards in its own thread); its open forward
+    (:mod:`hf_magicdec.engine.cache.forwards`) records the observation-window queries SnapKV scores
+    with during prefill, and during draft and verify describes each row's key ranges
+    (:class:`~hf_magicdec.kernels.Segments`), which the kernels read instead of the 4-D mask. Without it the call is not the engine's, and
     goes to the model's own attention implementation.
 
     ``softcap`` (logits become ``softcap·tanh(logits/softcap)``) and ``s_aux`` (``[H]`` sink logits
@@ -127,7 +128,7 @@ def magicdec_attention_forward(
         raise NotImplementedError(f"{type(module).__name__} is in training mode with attention dropout {dropout}; "
                                   "call model.eval() before generating.")
     if sliding_window is not None:
-        limit = getattr(magicdec_cache, "position_limit", None)  # None: a timing cache, no output
+        limit = magicdec_cache.options.position_limit  # None: a timing cache, no output
         if limit is not None and limit > sliding_window:
             raise NotImplementedError(
                 f"{type(module).__name__} attends through a sliding window of {sliding_window} tokens and this "
@@ -135,10 +136,11 @@ def magicdec_attention_forward(
                 "does not model. Generate fewer tokens in total, or use stock generate."
             )
     sinks = s_aux
-    layer_idx = magicdec_cache.layer_of(key, getattr(module, "layer_idx", None))
-    segments = magicdec_cache.attention_segments(key.device)
+    forward = magicdec_cache.forward
+    layer_idx = forward.layer_of(key, getattr(module, "layer_idx", None))
+    segments = forward.segments(key.device)
     if segments is not None:
-        magicdec_cache.before_attention(layer_idx, query, scaling)  # dynamic view / refresh
+        forward.before_attention(layer_idx, query, scaling)  # dynamic view / refresh
         if attention_mask is not None and not segments.built(attention_mask):
             # The model rewrote the mask it was given (Doge's dynamic mask adds per-key biases):
             # honour it as stock attention would, provided it still hides every slot the row's key
@@ -148,7 +150,7 @@ def magicdec_attention_forward(
                                  sinks), None
         scale = scaling if scaling is not None else query.shape[-1] ** -0.5
         return kernels.segment_attention(query, key, value, segments, scale, softcap, sinks), None
-    magicdec_cache.observe(layer_idx, query, scaling)
+    forward.observe(layer_idx, query, scaling)
     return gqa_attention(query, key, value, attention_mask, scaling, softcap, sinks), None
 
 

@@ -53,13 +53,13 @@ class Continuation:
     cache : the ``past_key_values`` object (``generate`` passes an empty ``DynamicCache`` of its
         own when the user gave none), or None (``use_cache=False``).
     length : tokens per row it holds (0: nothing to continue from).
-    keep : whether it outlives the call (returned or the user's), so the generation's KV must be
-        handed back in it.
+    outlives : whether it outlives the call (returned or the user's), so the generation's KV must
+        be handed back in it.
     """
 
     cache: Cache | None
     length: int = 0
-    keep: bool = False
+    outlives: bool = False
 
     def adopt(self, target: MagicDecCache) -> None:
         """Move the cached prefix into ``target`` layer by layer; a dynamic layer's own tensors are
@@ -85,7 +85,7 @@ def _fail(problem: str) -> None:
 
 
 def check_cache(model, cache, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, max_length: int,
-                keep: bool) -> int:
+                outlives: bool) -> int:
     """Refuse a ``past_key_values`` that does not fit the call, before any forward; returns the
     tokens per row it holds.
 
@@ -96,7 +96,7 @@ def check_cache(model, cache, input_ids: torch.Tensor, attention_mask: torch.Ten
     input_ids : ``[B, P]`` the whole sequences: the cached tokens, then the new ones.
     attention_mask : ``[B, P]`` or None.
     max_length : ``P`` + new tokens.
-    keep : the cache outlives the call (a ``StaticCache`` must then hold ``max_length - 1`` slots).
+    outlives : the cache outlives the call (a ``StaticCache`` must then hold ``max_length - 1`` slots).
 
     Raises
     ------
@@ -114,7 +114,7 @@ def check_cache(model, cache, input_ids: torch.Tensor, attention_mask: torch.Ten
         _fail(f"expected a transformers Cache (DynamicCache, StaticCache), got {type(cache).__name__}.")
     length = int(cache.get_seq_length())
     static = [layer for layer in cache.layers if isinstance(layer, _STATIC)]
-    if keep and static and any(layer.max_cache_len < max_length - 1 for layer in static):
+    if outlives and static and any(layer.max_cache_len < max_length - 1 for layer in static):
         _fail(f"its static layers hold {min(layer.max_cache_len for layer in static)} tokens per row and this "
               f"generation returns {max_length - 1}; allocate the StaticCache with max_cache_len >= {max_length - 1}.")
     if length == 0:
@@ -191,9 +191,7 @@ def committed_kv(cache: MagicDecCache, rows: torch.Tensor, finished: list, batch
             where = where.to(keys.device)
             keys[where, :, :n] = k[:, :, :n].to(keys.device)
             values[where, :, :n] = v[:, :, :n].to(values.device)
-        # This layer of the working cache is no longer needed (the engine's cache is spent).
-        layer.keys = layer.values = ref.new_empty(0)
-        layer.draft_keys = layer.draft_values = None
+        layer.release()  # this layer of the working cache is no longer needed (the engine's cache is spent)
         for _, _, kv in finished:
             kv[i] = None
         out.append((keys, values))

@@ -10,7 +10,7 @@ The loop (:mod:`hf_magicdec.engine.loop`) only ever talks to a :class:`Drafter`:
 
 **Self-drafting** (:class:`SelfDrafter`) runs the target on the draft views that live inside the
 target's own cache, so committing and compacting are the cache's business; its one extra duty is
-refreshing a static view (:mod:`hf_magicdec.engine.refresh`).
+refreshing a static view (:mod:`hf_magicdec.engine.refresh`), whose per-row state it attaches to the cache.
 
 **A separate draft model** (:class:`ModelDrafter`, ``draft_model=`` in ``generate``) keeps its own
 cache, compressed with any draft view (``"full"`` keeps all of it: the paper's small-draft
@@ -30,7 +30,8 @@ from typing import Any, Callable, Protocol
 
 import torch
 
-from .cache import MagicDecCache
+from .cache import CacheOptions, MagicDecCache
+from .refresh import Refresher
 from .steps import ModelCall, draft_step, num_layers, prefill
 from .validation import check_model
 
@@ -63,8 +64,8 @@ class Drafter(Protocol):
         """The draft step function of one round (``tokens``: the ``[B, capacity]`` token history,
         ``rows [b]`` the working rows, ``seq_len [b]`` their lengths including the pending token)."""
 
-    def commit(self, keep: torch.Tensor, accepted: torch.Tensor, gamma: int) -> None:
-        """After the target committed ``keep [b]`` tokens per row (``accepted [b]`` of ``gamma`` drafts)."""
+    def commit(self, emitted: torch.Tensor, accepted: torch.Tensor, gamma: int) -> None:
+        """After the target committed ``emitted [b]`` tokens per row (``accepted [b]`` of ``gamma`` drafts)."""
 
     def select_rows(self, rows: torch.Tensor) -> None:
         """Keep only these working rows (``[b']`` indices into the current working batch)."""
@@ -79,14 +80,9 @@ def twin_call(twin, compile_config) -> ModelCall | None:
     return ModelCall.of(twin.module, None if on_cpu else compile_config)
 
 
-def new_cache(model, pad: torch.Tensor, capacity: int, observe: int, position_limit: int | None) -> MagicDecCache:
-    """An empty :class:`MagicDecCache` for ``model`` and prompts left-padded by ``pad [B]``,
-    recording the last ``observe`` prompt queries; ``position_limit``: the largest position the
-    generation reaches (sliding-window layers must cover it; None: unchecked)."""
-    cache = MagicDecCache(num_layers(model), pad.shape[0], capacity, pad)
-    cache.observation_window = observe
-    cache.position_limit = position_limit
-    return cache
+def new_cache(model, pad: torch.Tensor, capacity: int, options: CacheOptions) -> MagicDecCache:
+    """An empty :class:`MagicDecCache` for ``model`` and prompts left-padded by ``pad [B]``."""
+    return MagicDecCache(num_layers(model), pad.shape[0], capacity, pad, options)
 
 
 class SelfDrafter:
@@ -102,6 +98,7 @@ class SelfDrafter:
         self.call, self.view, self.config = call, view, config
         self.draft_call = draft_call if draft_call is not None else call
         self.cache: MagicDecCache | None = None
+        self.refresher: Refresher | None = None
         self.refreshes = 0
 
     def observation_window(self) -> int:
@@ -109,20 +106,24 @@ class SelfDrafter:
 
     def prepare(self, target, input_ids, position_ids, max_new_tokens, scratch) -> None:
         self.cache = target
-        if self.config.gamma != 0:  # γ = 0: plain decoding, no view
-            target.build_draft_views(self.view, self.config, input_ids.shape[1], max_new_tokens, scratch=scratch)
+        if self.config.gamma == 0:  # plain decoding, no view
+            return
+        target.build_draft_views(self.view, self.config.draft_budget, self.config.gamma, input_ids.shape[1],
+                                 max_new_tokens, scratch=scratch)
+        self.refresher = Refresher.create(self.view, self.config, target)
+        if self.refresher is not None:
+            target.attach(self.refresher)
 
     def round(self, target, tokens, rows, seq_len, gamma) -> DraftStep:
         call = self.draft_call
         return lambda i, tok: draft_step(call, target, tok, i)
 
-    def commit(self, keep, accepted, gamma) -> None:
-        refresher = self.cache.refresher  # re-select a static view (hf_magicdec.engine.refresh)
-        if refresher is not None:
-            self.refreshes += refresher.after_commit(self.cache, keep, accepted, gamma)
+    def commit(self, emitted, accepted, gamma) -> None:
+        if self.refresher is not None:  # re-select a static view (hf_magicdec.engine.refresh)
+            self.refreshes += self.refresher.after_commit(self.cache, emitted, accepted, gamma)
 
     def select_rows(self, rows) -> None:
-        pass  # the views live in the target cache, which the loop compacts
+        pass  # the views live in the target cache, which the loop compacts (the refresher with it)
 
 
 def check_draft_model(model, draft_model, config=None) -> None:
@@ -176,13 +177,14 @@ class ModelDrafter:
     def prepare(self, target, input_ids, position_ids, max_new_tokens, scratch) -> None:
         """Prefill the draft model on the prompts, build its views, free its full cache."""
         prompt = input_ids.shape[1]
-        self.cache = new_cache(self.model, target.pad.clone(), prompt,
-                               self.view.observation_window(), self.position_limit)
+        compiled = self.call.compiled is not None
+        options = CacheOptions(observation_window=self.view.observation_window(), position_limit=self.position_limit,
+                               fixed_shapes=compiled, static_addresses=compiled and input_ids.device.type == "cuda")
+        self.cache = new_cache(self.model, target.pad.clone(), prompt, options)
         prefill(self.call, self.cache, input_ids, position_ids, self.chunk)
-        self.cache.fixed_shapes = self.call.compiled is not None
-        self.cache.static_addresses = self.call.compiled is not None and input_ids.device.type == "cuda"
         # One scratch slot more than γ: the first step of a round re-feeds the token at C - 1.
-        self.cache.build_draft_views(self.view, self.config, prompt, max_new_tokens, scratch=scratch + 1)
+        self.cache.build_draft_views(self.view, self.config.draft_budget, self.config.gamma, prompt, max_new_tokens,
+                                     scratch=scratch + 1)
         if not self.view.query_aware:  # a query-aware view (dynamic) refills from the full cache
             self.cache.release_full_kv()
         self.refeed = torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
@@ -193,32 +195,28 @@ class ModelDrafter:
         previous = tokens[rows, seq_len - 2]  # the token at slot C - 1
         base = target.lengths - target.pad  # position of the pending token
         skip = (~self.refeed).long()
-        view_end = cache.static_slots + cache.window_slots
 
         def step(i: int, tok: torch.Tensor) -> torch.Tensor:
             if i == 0:
                 tok = torch.cat([previous[:, None], tok], dim=1)
                 positions = torch.stack([(base - 1).clamp(min=0), base], dim=1)
-                cache.begin_draft(0, 2, skip)
-                kv_len = view_end + 2
+                forward = cache.begin_draft(0, 2, skip)
             else:
                 positions = (base + i)[:, None]
-                cache.begin_draft(i + 1, 1, skip)
-                kv_len = view_end + i + 2
-            mask = cache.forward_mask(tok.shape[1], cache.draft_kv_length(kv_len))
-            return call(cache, tok, positions, mask, logits_to_keep=1)[:, -1].float()
+                forward = cache.begin_draft(i + 1, 1, skip)
+            return call(cache, tok, positions, forward.forward_mask(), logits_to_keep=1)[:, -1].float()
 
         return step
 
-    def commit(self, keep, accepted, gamma) -> None:
+    def commit(self, emitted, accepted, gamma) -> None:
         """Move the draft model's KV of this round's committed tokens into its views."""
         gamma, refeed = self.round_gamma, self.refeed.long()
         # Scratch slot 0 holds the token at C - 1 (committed now if it was missing), slot j >= 1
-        # the j-th committed token of this round; the last of γ+1 kept tokens was never fed.
-        count = torch.clamp(keep, max=gamma) + refeed
-        src = (torch.arange(gamma + 1, device=keep.device)[None, :] + 1 - refeed[:, None]).clamp(max=gamma)
+        # the j-th committed token of this round; the last of γ+1 emitted tokens was never fed.
+        count = torch.clamp(emitted, max=gamma) + refeed
+        src = (torch.arange(gamma + 1, device=emitted.device)[None, :] + 1 - refeed[:, None]).clamp(max=gamma)
         self.cache.commit_scratch(src, count)
-        self.refeed = keep > gamma
+        self.refeed = emitted > gamma
 
     def select_rows(self, rows) -> None:
         self.cache.select_rows(rows)

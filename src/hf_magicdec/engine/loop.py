@@ -2,17 +2,23 @@
 
 One generation::
 
-    prefill (chunked)  ->  first token  ->  draft views  ->  repeat until every row is done:
-        draft   γ single-token forwards on the draft view        (cheap: small KV)
-        verify  one (γ+1)-token forward on the full cache         (≈ one decode step)
-        accept  per row: greedy prefix match, or rejection sampling
-        commit  per row: keep accepted + 1 tokens, roll the rest back, feed the draft view
+    prefill (chunked)  ->  first token  ->  draft views  ->  repeat while a row is unfinished:
+        grow     make room in the cache for this step
+        draft    γ single-token forwards on the draft view        (cheap: small KV)
+        verify   one (γ+1)-token forward on the full cache         (≈ one decode step)
+        accept   per row: greedy prefix match, or rejection sampling
+        emit     per row: accepted + 1 tokens, cut at EOS / stopping criteria
+        read     the step's one device→host read (rows alive, longest rows, accepted drafts)
+        commit   per row: keep the emitted tokens' KV, roll the rest back, feed the draft view
+        observe  statistics, scores, streamer
+        γ        the γ policy picks the next step's γ from the counts just read
 
 Rows are ragged: each keeps its own length, offsets, positions and masks; finished rows leave
-the working batch at once, so no row ever waits for another. What watches the loop (statistics,
-streamer, scores, acceptance memory) is an :class:`~hf_magicdec.engine.hooks.Observer`; γ comes
-from a policy; whoever drafts is a :class:`~hf_magicdec.engine.drafters.Drafter`; ranks in
-lockstep agree through :class:`~hf_magicdec.parallel.lockstep.Lockstep`.
+the working batch at once, so no row ever waits for another. What watches the loop is an
+:class:`~hf_magicdec.engine.observers.Observer`; γ comes from a policy
+(:mod:`hf_magicdec.engine.gamma`); whoever drafts is a :class:`~hf_magicdec.engine.drafters.Drafter`;
+ranks in lockstep agree through :class:`~hf_magicdec.parallel.lockstep.Lockstep` (a rank with
+nothing left under ``synced_gpus`` runs the same iterations on nothing: :meth:`Engine._idle_step`).
 """
 
 from __future__ import annotations
@@ -23,10 +29,11 @@ from dataclasses import dataclass
 import torch
 
 from ..parallel.lockstep import LOCAL, Lockstep
-from .buffers import initial_capacity
+from .cache import CacheOptions, initial_capacity
 from .continuation import Continuation, LayerKV, committed_kv, fill_tails
 from .drafters import Drafter, new_cache
-from .hooks import FixedGamma, Observer, profile_sync
+from .gamma import FixedGamma
+from .observers import Observer, profile_sync
 from .ragged import RaggedBatch
 from .sampling import accept, pick
 from .shared_prefill import store_prefill, stored_prefill
@@ -47,6 +54,18 @@ class _Rows:
     dead: torch.Tensor  # [b] finished rows kept in a compiled batch until it halves (fixed shapes)
 
 
+@dataclass
+class _Read:
+    """What one step read on the host (all in one transfer), and the step's ``finished [b]``."""
+
+    alive: int  # rows still unfinished
+    longest: int  # longest row of the cache once the step is committed
+    longest_alive: int  # longest unfinished row
+    accepted: int  # draft tokens accepted this step, all rows
+    drafted: int  # draft tokens drafted this step, all rows
+    finished: torch.Tensor | None = None
+
+
 class Engine:
     """The machinery of one generation.
 
@@ -57,7 +76,7 @@ class Engine:
     generation_config, logits_processor, stopping_criteria : as prepared by ``generate``.
     chunk : prompt tokens per prefill forward.
     scratch : draft slots per step the cache holds (the largest γ of the generation).
-    gamma : a γ policy (``gamma``, ``after_step(accepted) -> γ``, ``controller``); default fixed 0.
+    gamma : a γ policy (:mod:`hf_magicdec.engine.gamma`); default fixed 0.
     observers : what watches the loop.
     lockstep : agreement across ranks (a no-op in one process).
     """
@@ -85,101 +104,107 @@ class Engine:
         the pad token after each row's end.
 
         ``past``: the cache ``generate`` received: its first ``past.length`` slots are the KV of
-        ``input_ids[:, :past.length]`` (only the rest is prefilled), and with ``past.keep`` the
+        ``input_ids[:, :past.length]`` (only the rest is prefilled), and with ``past.outlives`` the
         committed KV of every row is kept for :meth:`returned_kv`."""
         self.past = past if past is not None else Continuation(None)
-        batch, prompt = input_ids.shape
-        max_new = max(self.gen.max_length - prompt, 0)
-        pad = self._pad = left_padding(attention_mask, batch, input_ids.device)
-        if position_ids is None:
-            position_ids = (torch.arange(prompt, device=input_ids.device)[None, :] - pad[:, None]).clamp(min=0)
-        eos = self.gen._eos_token_tensor
-        stopper = Stopper(batch, prompt, max_new, eos.to(input_ids.device) if eos is not None else None,
-                          input_ids.device)
-        capacity = initial_capacity(prompt, max_new, self.scratch)
-        b = _Rows(torch.arange(batch, device=input_ids.device),
-                  torch.full((batch,), prompt, device=input_ids.device, dtype=torch.long),
-                  RaggedBatch(input_ids, capacity, self.processors, self.criteria, self.pad_id),
-                  torch.zeros(batch, dtype=torch.bool, device=input_ids.device))
-        self.observers.on_prompt(input_ids)
-        self._final = b
-        if max_new == 0:
-            self.lockstep.sit_out(self.gamma.gamma, self.gamma.controller, self.drafter.on_target)
-            self.observers.on_end()
-            return self._sequences(b)
+        b, stopper, position_ids = self._start(input_ids, attention_mask, position_ids)
+        read = self._begin(b, stopper, input_ids, position_ids)
+        while self.lockstep.any_alive(read.alive > 0):
+            gamma = self.gamma.gamma
+            read = self._step(b, stopper, gamma, read) if read.alive else self._idle_step(gamma)
+            self.gamma.after_step(read.accepted, read.drafted)
+        self.observers.on_end()
+        return self._sequences(b)
 
-        logits = self._prefill(input_ids, position_ids, pad, capacity, prompt + max_new + self.scratch + 1)
-        logits = logits[:, -1:].float()
+    def _begin(self, b: _Rows, stopper: Stopper, input_ids, position_ids) -> _Read:
+        """Prefill, the first token of every row and the draft views; what the first read says."""
+        max_new = stopper.max_new_tokens
+        if max_new == 0:  # nothing to generate; under synced_gpus the others' prefill forwards are matched
+            self.lockstep.plan_forwards(0)
+            self.lockstep.match_forwards()
+            return _Read(0, 0, 0, 0, 0)
+        logits = self._prefill(input_ids, position_ids, max_new)[:, -1:].float()
         first, scores = self._choose(b, logits)
         self.lockstep.match_forwards()
         self.drafter.prepare(self.cache, input_ids, position_ids, max_new, self.scratch)
         self.observers.on_prefilled()
-        new_tokens, num_new, step_scores, step_logits = first[:, None], torch.ones_like(first), scores, logits
-        accepted, gamma = None, self.gamma.gamma
-        while True:
-            keep, finished = stopper.emit(b.tokens, b.rows, b.seq_len, new_tokens, num_new, b.dead)
-            self.observers.on_tokens(b.rows, new_tokens, keep, step_scores, step_logits)
-            alive, longest, longest_alive = self._read_step(finished, keep if accepted is not None else None)
-            if accepted is not None:  # verified KV of the pending + accepted tokens: one slot per kept token
-                self.cache.commit(keep, longest)
-                self.drafter.commit(keep, accepted, gamma)
-            if not self.lockstep.keep_going(alive > 0, gamma, self.gamma.controller, self.drafter.on_target):
-                break
-            self._drop_finished(b, finished, alive, longest_alive)
-            pending = self._make_room(b, gamma)
-            t0 = time.perf_counter()
-            drafts, draft_probs = self._draft(b, pending, gamma)
-            t1 = _synced(pending.device)
-            step_logits = verify_step(self.call, self.cache, pending, drafts)
-            step_scores = b.tokens.process(b.rows, b.seq_len[b.rows], step_logits)
-            accepted, nxt = self.lockstep.share(*accept(drafts, draft_probs, step_scores, self.do_sample))
-            accepted = accepted.masked_fill(b.dead, 0)  # kept finished rows emit and count nothing
-            self.observers.on_step(b.rows.masked_fill(b.dead, -1), accepted, gamma, t1 - t0,
-                                   _synced(pending.device) - t1)
-            new_tokens = torch.cat([drafts, nxt[:, None]], dim=1)
-            new_tokens.scatter_(1, accepted[:, None], nxt[:, None])  # [b, γ+1]; the first accepted + 1 are real
-            num_new, gamma = (accepted + 1).masked_fill(b.dead, 0), self.gamma.after_step(accepted, alive)
-        self.observers.on_end()
-        return self._sequences(b)
+        _, finished = self._emit(b, stopper, first[:, None], torch.ones_like(first), scores, logits)
+        return self._read(finished, None, None, 0)
 
-    # ------------------------------------------------------------------ the loop's parts
-    def _prefill(self, input_ids, position_ids, pad, capacity: int, max_capacity: int) -> torch.Tensor:
-        """Build ``self.cache`` (``capacity`` slots per row, growing up to ``max_capacity``) and
-        fill it with the prompts; returns the last logits ``[B, 1, V]``."""
-        observe = self.drafter.observation_window()
+    def _step(self, b: _Rows, stopper: Stopper, gamma: int, last: _Read) -> _Read:
+        """One speculation step of the working batch, in the order of the module docstring."""
+        self._drop_finished(b, last)
+        pending = self._make_room(b, gamma)
+        t0 = time.perf_counter()
+        drafts, draft_probs = self._draft(b, pending, gamma)
+        t1 = _synced(pending.device)
+        logits = verify_step(self.call, self.cache, pending, drafts)
+        scores = b.tokens.process(b.rows, b.seq_len[b.rows], logits)
+        accepted, nxt = self.lockstep.share(*accept(drafts, draft_probs, scores, self.do_sample))
+        accepted = accepted.masked_fill(b.dead, 0)  # kept finished rows emit and count nothing
+        t2 = _synced(pending.device)
+        tokens = torch.cat([drafts, nxt[:, None]], dim=1)
+        tokens.scatter_(1, accepted[:, None], nxt[:, None])  # [b, γ+1]; the first accepted + 1 are real
+        emitted, finished = self._emit(b, stopper, tokens, (accepted + 1).masked_fill(b.dead, 0), scores, logits)
+        read = self._read(finished, emitted, accepted, gamma * last.alive)
+        self.cache.commit(emitted, read.longest)  # the verified KV of the emitted tokens
+        self.drafter.commit(emitted, accepted, gamma)
+        self.observers.on_step(b.rows.masked_fill(b.dead, -1), accepted, gamma, t1 - t0, t2 - t1)
+        return read
+
+    def _idle_step(self, gamma: int) -> _Read:
+        """A rank with nothing left under ``synced_gpus`` while others still decode: the target
+        forwards of a real step (γ draft forwards when the model drafts on its own views, one
+        verify), on nothing, and nothing accepted."""
+        self.lockstep.idle_forwards((gamma if self.drafter.on_target else 0) + 1)
+        return _Read(0, 0, 0, 0, 0)
+
+    # ------------------------------------------------------------------ the step's parts
+    def _start(self, input_ids, attention_mask, position_ids):
+        """The working batch, the stopping state and the prompts' positions."""
+        batch, prompt = input_ids.shape
+        device = input_ids.device
+        max_new = max(self.gen.max_length - prompt, 0)
+        pad = self._pad = left_padding(attention_mask, batch, device)
+        if position_ids is None:
+            position_ids = (torch.arange(prompt, device=device)[None, :] - pad[:, None]).clamp(min=0)
+        eos = self.gen._eos_token_tensor
+        stopper = Stopper(batch, prompt, max_new, eos.to(device) if eos is not None else None, device)
+        tokens = RaggedBatch(input_ids, initial_capacity(prompt, max_new, self.scratch), self.processors,
+                             self.criteria, self.pad_id)
+        b = self._final = _Rows(torch.arange(batch, device=device),
+                                torch.full((batch,), prompt, device=device, dtype=torch.long), tokens,
+                                torch.zeros(batch, dtype=torch.bool, device=device))
+        self.observers.on_prompt(input_ids)
+        return b, stopper, position_ids
+
+    def _prefill(self, input_ids, position_ids, max_new: int) -> torch.Tensor:
+        """Build ``self.cache`` and fill it with the prompts (only their uncached suffix when
+        continuing from ``past``, from a few cached tokens earlier when SnapKV needs the last
+        prompt queries; their cached KV is kept); returns the last logits ``[B, 1, V]``."""
+        prompt = input_ids.shape[1]
+        capacity = initial_capacity(prompt, max_new, self.scratch)
+        compiled = self.call.compiled is not None
+        options = CacheOptions(observation_window=self.drafter.observation_window(),
+                               position_limit=self.gen.max_length, max_capacity=prompt + max_new + self.scratch + 1,
+                               fixed_shapes=compiled, static_addresses=compiled and input_ids.device.type == "cuda")
+        first = 0
+        if not self.past.length:
+            self.lockstep.plan_forwards(-(-prompt // self.chunk))
+            found = stored_prefill(input_ids, position_ids, self._pad, self.chunk, capacity, options)
+            if found is not None:
+                self.cache, logits = found
+                return logits
+        self.cache = new_cache(self.call.model, self._pad, capacity, options)
         if self.past.length:
-            return self._continue(input_ids, position_ids, pad, capacity, max_capacity, observe)
-        self.lockstep.plan_forwards(-(-input_ids.shape[1] // self.chunk))
-        found = stored_prefill(input_ids, position_ids, pad, self.chunk, capacity, observe)
-        if found is not None:
-            self.cache, logits = found
-            self.cache.position_limit = self.gen.max_length
-        else:
-            self.cache = new_cache(self.call.model, pad, capacity, observe, self.gen.max_length)
-            logits = prefill(self.call, self.cache, input_ids, position_ids, self.chunk)
-            store_prefill(input_ids, position_ids, pad, self.chunk, observe, self.cache, logits)
-        self._finish_cache(max_capacity)
-        return logits
-
-    def _continue(self, input_ids, position_ids, pad, capacity: int, max_capacity: int, observe: int):
-        """:meth:`_prefill` from a cache holding the first ``past.length`` tokens: its KV moves into
-        the new cache and only the suffix is prefilled, from a few cached tokens earlier when
-        SnapKV needs the last ``observe`` prompt queries (their cached KV is kept as given)."""
-        cached = self.past.length
-        self.cache = new_cache(self.call.model, pad, capacity, observe, self.gen.max_length)
-        self.past.adopt(self.cache)
-        first = min(cached, max(input_ids.shape[1] - observe, 0)) if observe else cached
-        self.lockstep.plan_forwards(-(-(input_ids.shape[1] - first) // self.chunk))
+            self.past.adopt(self.cache)
+            observe = options.observation_window
+            first = min(self.past.length, max(prompt - observe, 0)) if observe else self.past.length
+            self.lockstep.plan_forwards(-(-(prompt - first) // self.chunk))
         logits = prefill(self.call, self.cache, input_ids, position_ids, self.chunk, first=first)
-        self._finish_cache(max_capacity)
+        if not self.past.length:
+            store_prefill(input_ids, position_ids, self._pad, self.chunk, self.cache, logits)
         return logits
-
-    def _finish_cache(self, max_capacity: int) -> None:
-        self.cache.max_capacity = max(self.cache.capacity, max_capacity)
-        self.cache.fixed_shapes = self.call.compiled is not None  # compiled steps: same shapes every step
-        # CUDA graphs read and write the KV buffers in place (no per-step copy into graph inputs).
-        self.cache.static_addresses = self.call.compiled is not None and self.cache.lengths.device.type == "cuda"
-        self.cache._buffers_replaced()
 
     def _choose(self, b: _Rows, logits: torch.Tensor):
         """The first token of every row from its last prompt logits ``[B, 1, V]``."""
@@ -187,27 +212,40 @@ class Engine:
         token, _ = pick(scores[:, 0], self.do_sample)
         return self.lockstep.share(token), scores
 
-    def _read_step(self, finished: torch.Tensor, keep: torch.Tensor | None) -> list[int]:
-        """The step's one device→host read: ``[rows still alive, longest row, longest alive row]``,
-        lengths counted after committing ``keep`` (None: nothing to commit)."""
-        lengths = self.cache.lengths + keep.to(self.cache.lengths.device) if keep is not None else self.cache.lengths
-        alive = (~finished).to(lengths.device)
-        return torch.stack([alive.sum(), lengths.max(), torch.where(alive, lengths, 0).max()]).tolist()
+    def _emit(self, b: _Rows, stopper: Stopper, tokens, num_new, scores, logits):
+        """Each working row emits ``tokens[r, :num_new[r]]`` up to where it stops; returns
+        ``(emitted [b], finished [b])``."""
+        emitted, finished = stopper.emit(b.tokens, b.rows, b.seq_len, tokens, num_new, b.dead)
+        self.observers.on_tokens(b.rows, tokens, emitted, scores, logits)
+        return emitted, finished
 
-    def _drop_finished(self, b: _Rows, finished: torch.Tensor, alive: int, longest_alive: int) -> None:
+    def _read(self, finished: torch.Tensor, emitted: torch.Tensor | None, accepted: torch.Tensor | None,
+              drafted: int) -> _Read:
+        """The step's one device→host read: rows alive, the longest row and the longest alive row
+        once ``emitted`` is committed (None: nothing to commit), and the accepted drafts."""
+        lengths = self.cache.lengths
+        if emitted is not None:
+            lengths = lengths + emitted.to(lengths.device)
+        alive = (~finished).to(lengths.device)
+        total = accepted.sum().to(lengths.device) if accepted is not None else lengths.new_zeros(())
+        counts = torch.stack([alive.sum(), lengths.max(), torch.where(alive, lengths, 0).max(), total]).tolist()
+        return _Read(*counts, drafted=drafted, finished=finished)
+
+    def _drop_finished(self, b: _Rows, last: _Read) -> None:
         """Finished rows leave the working batch at once, except under compiled steps: there they
         stay as dead rows until at most half the batch is alive, so batch sizes (graph shapes) at
         least halve from one to the next."""
+        finished, alive = last.finished, last.alive
         if alive == b.rows.shape[0] or (self.call.compiled is not None and 2 * alive > b.rows.shape[0]):
             b.dead = finished
             return
-        if self.past.keep:  # their KV leaves the working cache now: keep it for the hand-back
+        if self.past.outlives:  # their KV leaves the working cache now: keep it for the hand-back
             gone = finished.nonzero().squeeze(1)
             self._finished_kv.append((b.rows[gone], *self.cache.export_rows(gone)))
-        keep_idx = torch.argsort(finished.to(torch.int8), stable=True)[:alive]  # alive rows, in order; no sync
-        b.rows, b.dead = b.rows[keep_idx], b.dead.new_zeros(alive)
-        self.cache.select_rows(keep_idx, longest_alive)
-        self.drafter.select_rows(keep_idx)
+        survivors = torch.argsort(finished.to(torch.int8), stable=True)[:alive]  # alive rows, in order; no sync
+        b.rows, b.dead = b.rows[survivors], b.dead.new_zeros(alive)
+        self.cache.select_rows(survivors, last.longest_alive)
+        self.drafter.select_rows(survivors)
 
     def _make_room(self, b: _Rows, gamma: int) -> torch.Tensor:
         """Grow the cache for this step (verify writes slots ``[C, C + γ + 1)`` and the next emission
@@ -234,11 +272,12 @@ class Engine:
             tok = d[:, None]
         return torch.stack(drafts, dim=1), (torch.stack(probs, dim=1) if self.do_sample else None)
 
+    # ------------------------------------------------------------------ results
     def returned_kv(self, sequences: torch.Tensor) -> LayerKV | None:
         """The KV stock ``generate`` would hold after returning ``sequences [B, S + 1]``: per layer
         ``(keys, values) [B, Hkv, S, D]``, every token but the last of each row, rows that ended
         early continued with the KV of their pad tokens as stock computes it. None when nothing
-        was prefilled (no new token). Spends the working cache; only with ``past.keep``."""
+        was prefilled (no new token). Spends the working cache; only with ``past.outlives``."""
         if self.cache is None:
             return None
         kv, filled = committed_kv(self.cache, self._final.rows, self._finished_kv, sequences.shape[0],

@@ -1,11 +1,10 @@
 """What watches the loop without being part of it: statistics, the streamer, per-step scores and
-logits, the acceptance memory, and the γ policy.
+logits, and the acceptance memory.
 
 An :class:`Observer` gets four calls per generation: :meth:`~Observer.on_prompt` (before prefill),
 :meth:`~Observer.on_prefilled` (first token chosen, draft views built), :meth:`~Observer.on_tokens`
 (after every emission: the first token, then each verification's accepted + 1 tokens) and
-:meth:`~Observer.on_step` (after every verification), then :meth:`~Observer.on_end`. A γ policy
-answers one question after each verification: the γ of the next step.
+:meth:`~Observer.on_step` (after every verification), then :meth:`~Observer.on_end`.
 """
 
 from __future__ import annotations
@@ -18,8 +17,8 @@ import torch
 
 from .outputs import SpeculationStats
 
-__all__ = ["AcceptanceRecorder", "AdaptiveGamma", "FixedGamma", "Observer", "Observers", "ScoresRecorder",
-           "StatsRecorder", "StreamerHook", "profile_sync"]
+__all__ = ["AcceptanceRecorder", "Observer", "Observers", "ScoresRecorder", "StatsRecorder", "StreamerHook",
+           "profile_sync"]
 
 
 def profile_sync(device: torch.device) -> None:
@@ -37,9 +36,9 @@ class Observer:
     def on_prefilled(self) -> None:
         """After prefill, the first token and the draft views."""
 
-    def on_tokens(self, rows: torch.Tensor, tokens: torch.Tensor, keep: torch.Tensor, scores: torch.Tensor,
+    def on_tokens(self, rows: torch.Tensor, tokens: torch.Tensor, emitted: torch.Tensor, scores: torch.Tensor,
                   logits: torch.Tensor) -> None:
-        """Working rows ``rows [b]`` (original indices) emitted ``tokens[r, :keep[r]]``; ``scores`` and
+        """Working rows ``rows [b]`` (original indices) emitted ``tokens[r, :emitted[r]]``; ``scores`` and
         ``logits`` ``[b, w, V]`` are the processed scores and raw logits they were chosen from."""
 
     def on_step(self, rows: torch.Tensor, accepted: torch.Tensor, gamma: int, draft_seconds: float,
@@ -65,9 +64,9 @@ class Observers(Observer):
         for o in self.items:
             o.on_prefilled()
 
-    def on_tokens(self, rows, tokens, keep, scores, logits):
+    def on_tokens(self, rows, tokens, emitted, scores, logits):
         for o in self.items:
-            o.on_tokens(rows, tokens, keep, scores, logits)
+            o.on_tokens(rows, tokens, emitted, scores, logits)
 
     def on_step(self, rows, accepted, gamma, draft_seconds, verify_seconds):
         for o in self.items:
@@ -133,9 +132,9 @@ class StreamerHook(Observer):
     def on_prompt(self, input_ids):
         self.streamer.put(input_ids.cpu())
 
-    def on_tokens(self, rows, tokens, keep, scores, logits):
-        if keep.numel():
-            self.streamer.put(tokens[0, : int(keep[0])].cpu())
+    def on_tokens(self, rows, tokens, emitted, scores, logits):
+        if emitted.numel():
+            self.streamer.put(tokens[0, : int(emitted[0])].cpu())
 
     def on_end(self):
         self.streamer.end()
@@ -149,8 +148,8 @@ class ScoresRecorder(Observer):
         self.scores: list[list[torch.Tensor]] = [[] for _ in range(batch)]
         self.logits: list[list[torch.Tensor]] = [[] for _ in range(batch)]
 
-    def on_tokens(self, rows, tokens, keep, scores, logits):
-        for r, (orig, k) in enumerate(zip(rows.tolist(), keep.tolist())):
+    def on_tokens(self, rows, tokens, emitted, scores, logits):
+        for r, (orig, k) in enumerate(zip(rows.tolist(), emitted.tolist())):
             if self.want_scores:
                 self.scores[orig].extend(scores[r, :k].unbind(0))
             if self.want_logits:
@@ -184,31 +183,3 @@ class AcceptanceRecorder(Observer):
         drafted = sum(sum(g) for g in self.stats.row_gammas)
         if drafted:
             self.record(sum(sum(a) for a in self.stats.accepted_lengths), drafted)
-
-
-class FixedGamma:
-    """γ stays as configured."""
-
-    controller = None
-
-    def __init__(self, gamma: int):
-        self.gamma = gamma
-
-    def after_step(self, accepted: torch.Tensor, live: int | None = None) -> int:
-        return self.gamma
-
-
-class AdaptiveGamma:
-    """γ re-chosen after every step by ``controller`` (``update(accepted, drafted) -> γ``) from the
-    acceptance pooled over rows and, through ``lockstep``, over ranks."""
-
-    def __init__(self, controller, lockstep):
-        self.controller, self.lockstep = controller, lockstep
-        self.gamma = controller.gamma
-
-    def after_step(self, accepted: torch.Tensor, live: int | None = None) -> int:
-        """``accepted [b]`` (0 for finished rows still in the batch), ``live``: rows that drafted."""
-        live = int(accepted.numel()) if live is None else live
-        pooled = self.lockstep.pool(int(accepted.sum()), self.gamma * live)
-        self.gamma = self.controller.update(*pooled)
-        return self.gamma

@@ -6,13 +6,23 @@ batch-indexed or length-dependent state (prompt length of ``min_new_tokens``, th
 distinct context length ``L`` we call them once on the *full original batch* truncated to ``L``
 and keep the rows whose context really has length ``L``. Rows not involved in a call see a
 prefix of their own tokens; their outputs are discarded. With no processor at all (plain greedy)
-nothing is called.
+nothing is called. Sampling warpers that read only the scores of their own row (temperature,
+top-k, top-p, min-p, typical, epsilon, eta) need none of that: when every processor is one of
+them, all positions are processed in one call, without reading the device on the host.
 """
 
 from __future__ import annotations
 
 import torch
+from transformers.generation.logits_process import (EpsilonLogitsWarper, EtaLogitsWarper, MinPLogitsWarper,
+                                                    TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper,
+                                                    TypicalLogitsWarper)
 from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria
+
+#: Processors whose output for a row depends on that row's scores alone (not on the tokens, the
+#: position or the batch), exactly: safe to apply to every ragged position at once.
+ROW_LOCAL_PROCESSORS = (TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper, MinPLogitsWarper,
+                        TypicalLogitsWarper, EpsilonLogitsWarper, EtaLogitsWarper)
 
 
 class RaggedBatch:
@@ -36,6 +46,8 @@ class RaggedBatch:
         criteria = list(stopping_criteria) if stopping_criteria is not None else []
         self.generic_criteria = [c for c in criteria if not isinstance(c, (MaxLengthCriteria, EosTokenCriteria))]
         self.has_eos_criteria = any(hasattr(c, "eos_token_id") for c in criteria)
+        # Exact types: a subclass may read more than its row's scores.
+        self.row_local = all(type(p) in ROW_LOCAL_PROCESSORS for p in self.processors)
 
     def reserve(self, capacity: int) -> None:
         """Make the token buffer hold at least ``capacity`` slots per row (copying what it holds)."""
@@ -63,6 +75,9 @@ class RaggedBatch:
         if len(self.processors) == 0:
             return logits
         b, n, vocab = logits.shape
+        if self.row_local:
+            no_tokens = self.tokens.new_empty((b * n, 0))
+            return self.processors(no_tokens, logits.reshape(b * n, vocab)).reshape(b, n, vocab)
         out = torch.empty_like(logits)
         lengths = context_len[:, None] + torch.arange(n, device=context_len.device)  # [b, n]
         lengths_host = lengths.tolist()

@@ -34,23 +34,12 @@ import torch.nn.functional as F
 from ..defaults import DEFAULT_POOL_KERNEL, DEFAULT_WINDOW
 
 if TYPE_CHECKING:
-    from .cache import MagicDecCache
     from ..config import MagicDecConfig
     from ..views import DraftView
+    from .cache import MagicDecCache
 
 #: Verification steps the running acceptance of ``refresh_below`` is measured over.
 ACCEPTANCE_WINDOW = 8
-
-_SINCE = ("refresh.since", -1)  # [B] committed tokens since the row's last refresh
-_QPTR = ("refresh.qptr", -1)  # [B] committed queries ever recorded
-
-
-def _pending(layer: int):
-    return ("refresh.pending", layer)  # [B, H, q, D] queries of the last verify
-
-
-def _queries(layer: int):
-    return ("refresh.queries", layer)  # [B, H, window + 1, D] ring of committed queries (+ trash slot)
 
 
 def recent_attention_mass(queries: torch.Tensor, keys: torch.Tensor, key_valid: torch.Tensor,
@@ -86,12 +75,16 @@ def recent_attention_mass(queries: torch.Tensor, keys: torch.Tensor, key_valid: 
 
 
 class Refresher:
-    """Refresh policy of one generation (built by :meth:`create`; lives on the cache).
+    """Refresh policy of one generation (built by :meth:`create`), attached to the cache, which keeps
+    its per-row state aligned with the rows (:meth:`select_rows`) and hands it every verify query
+    (:meth:`on_verify_query`).
 
-    Its per-row tensors live in ``cache.row_state`` so that they follow ``select_rows``.
+    Per-row state: ``since [B]`` committed tokens since the row's last refresh, ``recorded [B]``
+    committed queries ever recorded; per layer ``rings[i] [B, H, window + 1, D]`` the last committed
+    queries (+ a trash slot) and ``pending[i] [B, H, q, D]`` the last verify's queries.
     """
 
-    def __init__(self, config: "MagicDecConfig", view: "DraftView | None" = None):
+    def __init__(self, config: "MagicDecConfig", view: "DraftView | None", rows: torch.Tensor):
         self.every = config.refresh_every
         self.below = config.refresh_below
         # Scored as SnapKV scores: the view's observation window and pooling when it has them.
@@ -100,6 +93,10 @@ class Refresher:
         self.history: deque[tuple[int, int]] = deque(maxlen=ACCEPTANCE_WINDOW)
         self.scaling: dict[int, float] = {}
         self.refreshes = 0
+        self.since = torch.zeros_like(rows)
+        self.recorded = torch.zeros_like(rows)
+        self.rings: dict[int, torch.Tensor] = {}
+        self.pending: dict[int, torch.Tensor] = {}
 
     @classmethod
     def create(cls, view: "DraftView", config: "MagicDecConfig", cache: "MagicDecCache") -> "Refresher | None":
@@ -108,56 +105,59 @@ class Refresher:
             return None
         if getattr(view, "query_aware", False) or cache.static_slots == 0:
             return None  # re-selected every step anyway / nothing static (full)
-        cache.row_state[_SINCE] = torch.zeros_like(cache.lengths)
-        cache.row_state[_QPTR] = torch.zeros_like(cache.lengths)
-        return cls(config, view)
+        return cls(config, view, cache.lengths)
+
+    def select_rows(self, rows: torch.Tensor) -> None:
+        self.since = self.since.index_select(0, rows.to(self.since.device))
+        self.recorded = self.recorded.index_select(0, rows.to(self.recorded.device))
+        self.rings = {i: t.index_select(0, rows.to(t.device)) for i, t in self.rings.items()}
+        self.pending = {i: t.index_select(0, rows.to(t.device)) for i, t in self.pending.items()}
 
     # ------------------------------------------------------------------ recording
-    def record(self, cache: "MagicDecCache", layer_idx: int, query: torch.Tensor, scaling: float | None) -> None:
-        """Called by the attention function during verify: keep this layer's queries until commit."""
-        cache.row_state[_pending(layer_idx)] = query
+    def on_verify_query(self, cache: "MagicDecCache", layer_idx: int, query: torch.Tensor,
+                        scaling: float | None) -> None:
+        """Called before each verify attention: keep this layer's queries until commit."""
+        self.pending[layer_idx] = query
         self.scaling[layer_idx] = scaling if scaling is not None else query.shape[-1] ** -0.5
 
-    def _append(self, cache: "MagicDecCache", keep: torch.Tensor) -> None:
-        """Append the committed tokens' queries (the first ``keep[b]`` of the last verify) to each
+    def _append(self, emitted: torch.Tensor) -> None:
+        """Append the committed tokens' queries (the first ``emitted[b]`` of the last verify) to each
         layer's ring of recent queries."""
         w = self.window
-        qptr = cache.row_state[_QPTR]
+        recorded = self.recorded
         moved: dict[torch.device, torch.Tensor] = {}
-        for i in range(len(cache.layers)):
-            pending = cache.row_state.pop(_pending(i), None)
-            if pending is None:
-                continue
+        for i, pending in self.pending.items():
             batch, heads, q, dim = pending.shape
-            ring = cache.row_state.get(_queries(i))
+            ring = self.rings.get(i)
             if ring is None:
-                ring = cache.row_state[_queries(i)] = pending.new_zeros((batch, heads, w + 1, dim))
+                ring = self.rings[i] = pending.new_zeros((batch, heads, w + 1, dim))
             dev = pending.device
             if dev not in moved:
-                j = torch.arange(q, device=qptr.device)
-                k = keep.to(qptr.device)[:, None]
+                j = torch.arange(q, device=recorded.device)
+                k = emitted.to(recorded.device)[:, None]
                 # Only the last w kept queries survive; the rest go to the trash slot w.
                 live = (j[None, :] < k) & (j[None, :] >= k - w)
                 trash = torch.full_like(live, w, dtype=torch.long)
-                moved[dev] = torch.where(live, (qptr[:, None] + j) % w, trash).to(dev)
+                moved[dev] = torch.where(live, (recorded[:, None] + j) % w, trash).to(dev)
             dst = moved[dev][:, None, :, None].expand(-1, heads, -1, dim)
             ring.scatter_(2, dst, pending)
-        cache.row_state[_QPTR] = qptr + keep.to(qptr.device)
+        self.pending = {}
+        self.recorded = recorded + emitted.to(recorded.device)
 
     # ------------------------------------------------------------------ trigger
-    def after_commit(self, cache: "MagicDecCache", keep: torch.Tensor, accepted: torch.Tensor, gamma: int) -> int:
-        """Called by the engine after each commit. Returns 1 if the static part was re-selected
+    def after_commit(self, cache: "MagicDecCache", emitted: torch.Tensor, accepted: torch.Tensor, gamma: int) -> int:
+        """Called by the drafter after each commit. Returns 1 if the static part was re-selected
         (for some rows), else 0.
 
         Parameters
         ----------
-        keep : ``[b]`` tokens committed per row.
+        emitted : ``[b]`` tokens committed per row.
         accepted : ``[b]`` draft tokens accepted per row at the last verification.
         gamma : γ of the last verification.
         """
-        keep = keep.to(cache.lengths.device).long()
-        self._append(cache, keep)
-        since = cache.row_state[_SINCE] + keep
+        emitted = emitted.to(cache.lengths.device).long()
+        self._append(emitted)
+        since = self.since + emitted
         due = torch.zeros_like(since, dtype=torch.bool)
         if self.every is not None:
             due |= since >= self.every
@@ -168,10 +168,10 @@ class Refresher:
                 if drafted and acc / drafted < self.below:
                     due |= True
         if not bool(due.any()):
-            cache.row_state[_SINCE] = since
+            self.since = since
             return 0
         self.reselect(cache, due)
-        cache.row_state[_SINCE] = torch.where(due, torch.zeros_like(since), since)
+        self.since = torch.where(due, torch.zeros_like(since), since)
         self.history.clear()  # acceptance before the refresh says nothing about the new view
         self.refreshes += 1
         return 1
@@ -180,23 +180,22 @@ class Refresher:
     def reselect(self, cache: "MagicDecCache", rows: torch.Tensor) -> None:
         """Re-select the static part of the rows where ``rows`` (``[b]`` bool) is True."""
         length = cache.max_length()
-        static = min(cache.static_slots, length)
+        geometry = cache.geometry
+        static = min(geometry.static_slots, length)
         if static == 0:
             return
-        ring_filled = torch.minimum(cache.ring_ptr, cache.ring_size)
         slot = torch.arange(length, device=cache.lengths.device)
         key_valid = (slot[None, :] >= cache.pad[:, None]) & (slot[None, :] < cache.lengths[:, None])
-        candidate = key_valid & (slot[None, :] < (cache.lengths - ring_filled)[:, None])  # not in the window
-        query_valid = torch.arange(self.window, device=slot.device)[None, :] < cache.row_state[_QPTR][:, None]
-        use = torch.arange(static, device=slot.device)[None, :] < cache.static_count[:, None]  # [b, static]
+        not_in_window = slot[None, :] < (cache.lengths - geometry.window_filled())[:, None]
+        candidate = key_valid & not_in_window
+        query_valid = torch.arange(self.window, device=slot.device)[None, :] < self.recorded[:, None]
+        use = torch.arange(static, device=slot.device)[None, :] < geometry.static_count[:, None]  # [b, static]
         write = use & rows[:, None]
-        for i, layer in enumerate(cache.layers):
-            ring = cache.row_state.get(_queries(i))
-            if ring is None:
-                continue
-            dev = layer.keys.device
-            keys = layer.keys[:, :, :length]
-            scores = recent_attention_mass(ring[:, :, : self.window], keys, key_valid, query_valid, self.scaling[i])
+        for i, ring in self.rings.items():
+            keys = cache.layers[i].keys
+            dev = keys.device
+            scores = recent_attention_mass(ring[:, :, : self.window], keys[:, :, :length], key_valid, query_valid,
+                                           self.scaling[i])
             if self.pool_kernel > 1:
                 b, h = scores.shape[:2]
                 scores = F.avg_pool1d(scores.reshape(b * h, 1, length), self.pool_kernel, 1,
@@ -205,8 +204,4 @@ class Refresher:
             top = torch.topk(scores, static, dim=-1, sorted=True).indices  # best first
             # Rows use their first static_count picks (all candidates), stored in position order.
             top = torch.where(use.to(dev)[:, None, :], top, torch.full_like(top, length)).sort(dim=-1).values
-            top = top.clamp(max=length - 1)
-            mask = write.to(dev)[:, None, :, None]
-            for source, dest in ((layer.keys, layer.draft_keys), (layer.values, layer.draft_values)):
-                fresh = torch.gather(source, 2, top[..., None].expand(-1, -1, -1, source.shape[-1]))
-                dest[:, :, :static] = torch.where(mask, fresh, dest[:, :, :static])
+            cache.replace_static(i, top.clamp(max=length - 1), write.to(dev)[:, None, :])

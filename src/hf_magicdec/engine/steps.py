@@ -70,7 +70,7 @@ class ModelCall:
                  logits_to_keep: int | None, eager: bool = False) -> torch.Tensor:
         """One forward of ``ids [b, q]`` at ``positions [b, q]``; logits ``[b, q or 1, V]``.
 
-        The ``magicdec`` attention reads the cache's per-row key ranges (draft / verify) or
+        The ``magicdec`` attention reads the open forward's per-row key ranges (draft / verify) or
         records SnapKV's observation queries (prefill); ``mask [b, 1, q, kv]`` serves any layer
         that does not use them. ``eager``: never the compiled call (prefill, whose shapes change
         with every chunk).
@@ -113,18 +113,16 @@ def prefill(call: ModelCall, cache: MagicDecCache, input_ids: torch.Tensor, posi
 def draft_step(call: ModelCall, cache: MagicDecCache, tok: torch.Tensor, step: int) -> torch.Tensor:
     """Draft step ``step`` of the model on its own draft views: ``tok [b, 1]`` (the pending token
     or the previous draft) at each row's next position; float logits ``[b, V]``."""
-    cache.begin_draft(step)
-    mask = cache.forward_mask(1, cache.draft_kv_length(cache.static_slots + cache.window_slots + step + 1))
+    forward = cache.begin_draft(step)
     positions = (cache.lengths - cache.pad + step)[:, None]
-    return call(cache, tok, positions, mask, logits_to_keep=1)[:, -1].float()
+    return call(cache, tok, positions, forward.forward_mask(), logits_to_keep=1)[:, -1].float()
 
 
 def verify_step(call: ModelCall, cache: MagicDecCache, pending: torch.Tensor, drafts: torch.Tensor) -> torch.Tensor:
     """One forward of ``[pending, d_1 … d_γ]`` per row at its own offset on the full cache
     (``pending [b]``, ``drafts [b, γ]``); float logits ``[b, γ + 1, V]``."""
     q = drafts.shape[1] + 1
-    cache.begin_verify(q)
-    mask = cache.forward_mask(q, cache.verify_kv_length(q))
+    forward = cache.begin_verify(q)
     positions = cache.lengths[:, None] - cache.pad[:, None] + torch.arange(q, device=pending.device)
     ids = torch.cat([pending[:, None], drafts], dim=1)
-    return call(cache, ids, positions, mask, logits_to_keep=0).float()
+    return call(cache, ids, positions, forward.forward_mask(), logits_to_keep=0).float()

@@ -29,7 +29,6 @@ from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 from ..config import AUTO, MagicDecConfig
 from ..defaults import QUANTIZED_FORMATS
 from ..planner.modelspec import ModelSpec
-from ..views import available_views
 
 __all__ = ["DeviceMapPlan", "cache_bytes_per_layer", "draft_weight_bytes", "plan_device_map"]
 
@@ -116,7 +115,7 @@ def cache_bytes_per_layer(model_or_config, batch_size: int, context_length: int,
     scratch = cfg.max_gamma if cfg.gamma == AUTO or cfg.adaptive else cfg.gamma
     slots = context_length + scratch + 1  # the full cache
     if scratch > 0:
-        if cfg.draft == "full":
+        if cfg.draft_name == "full":
             view = context_length + scratch + 1
         else:
             view = cfg.draft_budget if cfg.draft_budget != AUTO else _LARGEST_AUTO_BUDGET
@@ -126,7 +125,7 @@ def cache_bytes_per_layer(model_or_config, batch_size: int, context_length: int,
     if scratch > 0:
         # Prefill keeps each layer's last observation-window queries for the views scoring with
         # them (snapkv); an "auto" draft: the largest of the views it may become.
-        views = [cfg.view] if cfg.draft != AUTO else [cfg.view_for(name) for name in available_views()]
+        views = [cfg.view] if cfg.view is not None else list(cfg.candidates)
         observe = max(view.observation_window() for view in views)
         total += batch_size * spec.heads * observe * spec.head_dim * spec.weight_bytes
     return int(total)
@@ -201,22 +200,8 @@ def plan_device_map(model_or_config, batch_size: int, context_length: int, *, co
     # Scaling a device's budget by w / (w + c) makes every layer placed there also fit its cache.
     ratio = layer_weights / (layer_weights + per_layer + twin_per_layer)
 
-    offloaded = 0
-    for _ in range(len(layer_names) + 1):
-        budget = {}
-        for device, total in memory.items():
-            if device in runners:
-                room = total - workspace - (offloaded * per_layer + twin_head if device == main else 0)
-                budget[device] = max(int(room * ratio), 0)
-            else:
-                budget[device] = total
-        device_map = infer_auto_device_map(model, max_memory=budget, no_split_module_classes=no_split, dtype=dtype)
-        placed = {name: _device_of(name, device_map) for name in layer_names}
-        now = sum(1 for device in placed.values() if device not in runners)
-        if now <= offloaded:
-            break
-        offloaded = now
-
+    device_map, placed, offloaded = _place(model, memory, runners, workspace, per_layer, twin_head, ratio, no_split,
+                                           dtype, layer_names)
     weight_bytes: dict[Any, int] = {}
     for name, device in device_map.items():
         weight_bytes[device] = weight_bytes.get(device, 0) + sizes[name]
@@ -237,22 +222,50 @@ def plan_device_map(model_or_config, batch_size: int, context_length: int, *, co
         notes.append(f"{offloaded} layers offloaded: their weights cross to {main!r} on every forward, draft "
                      "forwards included, so speculation gains little (docs/multi_gpu.md)")
     for device in runners:
-        if not layers[device] and not weight_bytes.get(device, 0):
-            continue  # runs nothing
-        twin = layers[device] * twin_per_layer + (twin_head if device == main else 0)
-        need = weight_bytes.get(device, 0) + cache[device] + twin + workspace + (buffer if device == main else 0)
-        if device in memory and need > memory[device]:
-            raise ValueError(
-                f"device {device!r} needs {_size(need)} (weights {_size(weight_bytes.get(device, 0))}, MagicDec "
-                f"cache {_size(cache[device])} for {layers[device]} layers, quantized draft weights {_size(twin)}, "
-                f"workspace {_size(workspace)}) but "
-                f"max_memory gives it {_size(memory[device])}: lower {batch_size=} or {context_length=}, or add "
-                "devices."
-            )
+        if layers[device] or weight_bytes.get(device, 0):  # a device that runs something
+            twin = layers[device] * twin_per_layer + (twin_head if device == main else 0)
+            _check_fits(device, memory, weight_bytes.get(device, 0), cache[device], layers[device], twin, workspace,
+                        buffer if device == main else 0, batch_size, context_length)
     return DeviceMapPlan(device_map=dict(device_map), max_memory=dict(memory), weight_bytes=weight_bytes,
                          cache_bytes=cache, layers=layers, cache_bytes_per_layer=per_layer,
                          workspace_bytes=workspace, offload_buffer_bytes=buffer,
                          draft_weight_bytes=twin_per_layer * len(layer_names) + twin_head, notes=tuple(notes))
+
+
+def _place(model, memory, runners, workspace: int, per_layer: int, twin_head: int, ratio: float, no_split, dtype,
+           layer_names):
+    """accelerate's placement with every runner's budget scaled so that each layer it gets also
+    fits its cache; layers offloaded to ``"cpu"`` / ``"disk"`` run on the main device, whose budget
+    then also holds their caches, so the plan is redone until that reservation is stable.
+    Returns ``(device_map, device of each decoder layer, layers offloaded)``."""
+    main = runners[0]
+    offloaded = 0
+    for _ in range(len(layer_names) + 1):
+        budget = {}
+        for device, total in memory.items():
+            if device in runners:
+                room = total - workspace - (offloaded * per_layer + twin_head if device == main else 0)
+                budget[device] = max(int(room * ratio), 0)
+            else:
+                budget[device] = total
+        device_map = infer_auto_device_map(model, max_memory=budget, no_split_module_classes=no_split, dtype=dtype)
+        placed = {name: _device_of(name, device_map) for name in layer_names}
+        now = sum(1 for device in placed.values() if device not in runners)
+        if now <= offloaded:
+            break
+        offloaded = now
+    return device_map, placed, offloaded
+
+
+def _check_fits(device, memory, weights: int, cache: int, layers: int, twin: int, workspace: int, buffer: int,
+                batch_size: int, context_length: int) -> None:
+    need = weights + cache + twin + workspace + buffer
+    if device in memory and need > memory[device]:
+        raise ValueError(
+            f"device {device!r} needs {_size(need)} (weights {_size(weights)}, MagicDec cache {_size(cache)} for "
+            f"{layers} layers, quantized draft weights {_size(twin)}, workspace {_size(workspace)}) but max_memory "
+            f"gives it {_size(memory[device])}: lower {batch_size=} or {context_length=}, or add devices."
+        )
 
 
 def draft_weight_bytes(model_or_config, draft_weights: str, dtype: Any = None) -> tuple[int, int]:

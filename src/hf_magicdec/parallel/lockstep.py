@@ -276,42 +276,25 @@ class Lockstep:
         """After prefill under ``synced_gpus``: idle forwards up to the agreed prefill count."""
         if not self.synced:
             return
-        for _ in range(self._target - self._forwards):
-            self._idle_forward()
+        self.idle_forwards(self._target - self._forwards)
         self._forwards = self._target = 0
 
-    def keep_going(self, alive: bool, gamma: int, controller=None, draft_on_target: bool = True) -> bool:
-        """End-of-iteration check: whether this rank runs another speculation step.
-
-        Outside ``synced_gpus`` this is ``alive``. Under it, every rank votes each iteration
-        (one all-reduce, like HF's ``_has_unfinished_sequences``); a rank with nothing left runs
-        idle iterations until every rank is done, then returns False. An idle iteration runs the
-        target forwards of a real one: γ draft forwards (when the model drafts on its own views,
-        ``draft_on_target``; a separate draft model is not sharded, so it needs none) and one
-        verify forward, with γ kept in step by :meth:`pool`.
-        """
+    def any_alive(self, alive: bool) -> bool:
+        """Whether another iteration runs: this rank has rows left (``alive``) or, under
+        ``synced_gpus``, any rank has (one all-reduce per iteration, like HF's
+        ``_has_unfinished_sequences``); a rank with nothing left then runs idle iterations
+        (:meth:`idle_forwards`) until every rank is done."""
         if not self.synced:
             return alive
-        if alive:
-            self._vote(True)
-            return True
-        while self._vote(False):
-            for _ in range((gamma if draft_on_target else 0) + 1):
-                self._idle_forward()
-            if controller is not None:
-                gamma = controller.update(*self.pool(0, 0))
-        return False
+        return self._vote(alive)
 
-    def sit_out(self, gamma: int, controller=None, draft_on_target: bool = True) -> None:
-        """A rank with nothing to generate (``max_new_tokens`` reached by its prompt) under
-        ``synced_gpus``: match the others' prefill, then idle until every rank is done."""
-        if self.synced:
-            self.plan_forwards(0)
-            self.match_forwards()
-            self.keep_going(False, gamma, controller, draft_on_target)
+    def idle_forwards(self, count: int) -> None:
+        """``count`` throw-away forwards: an idle rank's share of an iteration under ``synced_gpus``."""
+        for _ in range(count):
+            self._idle_forward()
 
     def _vote(self, alive: bool) -> bool:
-        return self._reduce([int(alive)], torch.distributed.ReduceOp.SUM)[0] > 0
+        return self._reduce([int(bool(alive))], torch.distributed.ReduceOp.SUM)[0] > 0
 
 
 #: The lockstep of a single process: every method is the identity.

@@ -1,9 +1,9 @@
 """MagicDec's cost model: when does self-speculation pay, and with which draft view, budget and γ?
 
-    from . import plan
+    from . import search_plan
     from ..views import get_view
     views = [get_view("streamingllm"), get_view("snapkv", window=16)]
-    p = plan(model.config, batch_size=32, prompt_len=32768, new_tokens=256, hardware="h100", drafts=views)
+    p = search_plan(model.config, batch_size=32, prompt_len=32768, new_tokens=256, hardware="h100", drafts=views)
     if p.speculate:
         out = model.generate(**inputs, speculative=p)
 
@@ -18,7 +18,9 @@ Modules (all pure Python; only :mod:`.calibrate` imports torch, lazily):
 * :mod:`.roofline`    per-op-group roofline of T_T, T_D, T_V
 * :mod:`.acceptance`  the default α and how α is passed in
 * :mod:`.speculation` Ω(γ, α), speedup, critical context length
-* :mod:`.planner`     the search over (draft, budget, γ)
+* :mod:`.search`      the search over (draft, budget, γ): :func:`search_plan`
+* :mod:`.memory`      the acceptance measured by earlier generations
+* :mod:`.gamma`       adaptive γ's controller
 * :mod:`.calibrate`   micro-benchmarks on the real model and a fitted roofline
 * :mod:`.cli`         ``hf-magicdec plan``
 
@@ -28,7 +30,8 @@ See ``docs/cost_model.md`` for the formulas and assumptions.
 from .acceptance import default_acceptance, resolve_acceptance
 from .hardware import HARDWARE_PRESETS, HardwareSpec, get_hardware
 from .modelspec import ModelSpec
-from .search import Plan, plan
+from .memory import forget_acceptance, observed_acceptance, record_acceptance
+from .search import Plan, search_plan
 from .roofline import StepCost, draft_step, draft_steps, forward_cost, target_step, verify_step
 from .speculation import Estimate, critical_length, estimate, omega, speedup
 
@@ -44,10 +47,13 @@ __all__ = [
     "draft_step",
     "draft_steps",
     "estimate",
+    "forget_acceptance",
     "forward_cost",
     "get_hardware",
+    "observed_acceptance",
     "omega",
-    "plan",
+    "record_acceptance",
+    "search_plan",
     "resolve_acceptance",
     "speedup",
     "target_step",

@@ -2,7 +2,7 @@
 
 The default is a prior, not a measurement: measure α on your own prompts (a short
 ``generate(..., speculative=..., return_dict_in_generate=True)`` gives
-``.speculation.acceptance_rate``; :func:`hf_magicdec.step_timing.probe_acceptance` does
+``.speculation.acceptance_rate``; :func:`hf_magicdec.calibration.probe_acceptance` does
 this) and pass it to the planner.
 """
 

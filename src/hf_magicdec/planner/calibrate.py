@@ -3,7 +3,7 @@ and keep the result per model, device and dtype. Torch-free, like the rest of th
 
 Pure rooflines use datasheet peaks and overshoot (MagicDec §3). The engine times a few operating
 points ``(B, S, q)`` with its own forwards through its public step-timing API
-(:mod:`hf_magicdec.step_timing`: ``measure_steps``, ``calibrate``), and this module fits three
+(:mod:`hf_magicdec.calibration`: ``measure_steps``, ``calibrate``), and this module fits three
 non-negative numbers to them by least squares on relative error:
 
 * ``overhead``  seconds per forward (dispatch, kernel launches, Python),

@@ -1,7 +1,7 @@
 """Calibration records and their store: what the fit reads and returns, and where a result is
 kept on disk. Torch-free, like the rest of the cost model.
 
-* :class:`Measurement`, :class:`StepTimes`  timed forwards (as :mod:`hf_magicdec.step_timing`
+* :class:`Measurement`, :class:`StepTimes`  timed forwards (as :mod:`hf_magicdec.calibration`
   measures them),
 * :class:`Fit`  fitted effective rates (what :func:`hf_magicdec.planner.calibrate.fit` returns),
 * :class:`Calibration`  a fit with its model, device, dtype and measurements; JSON save/load,

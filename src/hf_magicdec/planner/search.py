@@ -26,7 +26,7 @@ from .modelspec import ModelSpec
 from .roofline import target_step
 from .speculation import Estimate, estimate
 
-__all__ = ["Plan", "plan", "DraftLike", "DEFAULT_BUDGETS", "DEFAULT_DRAFTS", "DEFAULT_DRAFT_MODEL_DRAFTS",
+__all__ = ["Plan", "search_plan", "DraftLike", "DEFAULT_BUDGETS", "DEFAULT_DRAFTS", "DEFAULT_DRAFT_MODEL_DRAFTS",
            "DEFAULT_GAMMAS"]
 
 #: View names the callers resolve (``hf_magicdec.plan``, ``generate`` with ``draft="auto"``).
@@ -186,7 +186,7 @@ def _model_spec(model_or_config: Any, dtype: Any) -> ModelSpec:
     return ModelSpec.from_config(config, dtype=dtype)
 
 
-def plan(
+def search_plan(
     model_or_config: Any,
     *,
     batch_size: int,
@@ -232,7 +232,7 @@ def plan(
     budgets, gammas :
         The rest of the search space.
     calibration : Calibration, optional
-        Fitted device (:func:`hf_magicdec.step_timing.calibrate`); replaces
+        Fitted device (:func:`hf_magicdec.calibration.calibrate`); replaces
         ``hardware``'s rates and overhead.
     tp : int
         Tensor-parallel degree.
@@ -264,29 +264,14 @@ def plan(
     Examples
     --------
     >>> views = [get_view("streamingllm"), get_view("snapkv")]                                     # doctest: +SKIP
-    >>> p = plan(llama_config, batch_size=64, prompt_len=32768, new_tokens=256, hardware="h100", drafts=views)  # doctest: +SKIP
+    >>> p = search_plan(llama_config, batch_size=64, prompt_len=32768, new_tokens=256, hardware="h100", drafts=views)  # doctest: +SKIP
     >>> p.speculate, MagicDecConfig.from_any(p)                                                               # doctest: +SKIP
     """
     check_int("batch_size", batch_size)
     check_int("prompt_len", prompt_len)
     check_int("new_tokens", new_tokens, 0)
-    if drafts is None and self_speculation:
-        raise ValueError("drafts: pass the draft views to consider (view objects, e.g. "
-                         "hf_magicdec.views.get_view('snapkv')); hf_magicdec.plan takes names.")
-    if draft_model_drafts is None and draft_model is not None:
-        raise ValueError("draft_model_drafts: pass the draft views to consider for the draft model's cache.")
-    drafts = _views("drafts", drafts if drafts is not None else ())
-    draft_model_drafts = _views("draft_model_drafts", draft_model_drafts if draft_model_drafts is not None else ())
-    budgets, gammas = tuple(budgets), tuple(gammas)
-    weight_formats = tuple(draft_weights)
-    for name, values in (("drafts", drafts if self_speculation else (None,)), ("budgets", budgets),
-                         ("gammas", gammas), ("draft_weights", weight_formats)):
-        if not values:
-            raise ValueError(f"{name} must not be empty.")
-    for b in budgets:
-        check_int("budget", b)
-    for g in gammas:
-        check_int("gamma", g)
+    drafts, draft_model_drafts, budgets, gammas, weight_formats = _search_space(
+        drafts, draft_model_drafts, budgets, gammas, draft_weights, self_speculation, draft_model)
     spec = _model_spec(model_or_config, dtype)
     hw = get_hardware(hardware, tp)
     if calibration is not None:
@@ -297,34 +282,53 @@ def plan(
     tt = target_step(spec, hw, batch_size, s).seconds
     common = dict(batch_size=batch_size, prompt_len=prompt_len, new_tokens=new_tokens, context=context,
                   model=spec.name, hardware=hw.name + (f" x{hw.tp}" if hw.tp > 1 else ""))
-
+    price = dict(batch=batch_size, context=s, acceptance=acceptance, t_target=tt)
     # (estimate, view) of every candidate the view accepts.
-    candidates = [
-        (estimate(spec, hw, batch=batch_size, context=s, draft=d, budget=k, gamma=g, acceptance=acceptance,
-                  t_target=tt, draft_weights=w), d)
-        for d in drafts if self_speculation and d.name != "full" for k in budgets if k < prompt_len
-        for g in gammas if d.fits(k, g) for w in weight_formats
-    ]
+    candidates = [(estimate(spec, hw, draft=d, budget=k, gamma=g, draft_weights=w, **price), d)
+                  for d in drafts if self_speculation and d.name != "full" for k in budgets if k < prompt_len
+                  for g in gammas if d.fits(k, g) for w in weight_formats]
     if draft_model is not None:
         dspec = _model_spec(draft_model, dtype)
         for d in draft_model_drafts:
             # The full view holds the whole context: its "budget" is the context.
             view_budgets = (s,) if d.name == "full" else tuple(k for k in budgets if k < prompt_len)
-            candidates += [
-                (estimate(spec, hw, batch=batch_size, context=s, draft=d, budget=k, gamma=g, acceptance=acceptance,
-                          t_target=tt, draft_model=dspec), d)
-                for k in view_budgets for g in gammas if d.name == "full" or d.fits(k, g)
-            ]
+            candidates += [(estimate(spec, hw, draft=d, budget=k, gamma=g, draft_model=dspec, **price), d)
+                           for k in view_budgets for g in gammas if d.name == "full" or d.fits(k, g)]
     if not candidates:
         return Plan(False, None, None, None, 1.0, None, None, tt, None, None, (),
                     reason=f"no candidate: every budget in {budgets} is >= prompt_len={prompt_len} "
                            "(nothing to compress) or invalid for the given gammas",
                     **common)
+    return _best(candidates, tt, min_speedup, common)
+
+
+def _search_space(drafts, draft_model_drafts, budgets, gammas, draft_weights, self_speculation, draft_model):
+    """The search space as tuples, checked (views are objects; nothing is empty; sizes are ints)."""
+    if drafts is None and self_speculation:
+        raise ValueError("drafts: pass the draft views to consider (view objects, e.g. "
+                         "hf_magicdec.views.get_view('snapkv')); hf_magicdec.plan takes names.")
+    if draft_model_drafts is None and draft_model is not None:
+        raise ValueError("draft_model_drafts: pass the draft views to consider for the draft model's cache.")
+    drafts = _views("drafts", drafts if drafts is not None else ())
+    draft_model_drafts = _views("draft_model_drafts", draft_model_drafts if draft_model_drafts is not None else ())
+    budgets, gammas, weight_formats = tuple(budgets), tuple(gammas), tuple(draft_weights)
+    for name, values in (("drafts", drafts if self_speculation else (None,)), ("budgets", budgets),
+                         ("gammas", gammas), ("draft_weights", weight_formats)):
+        if not values:
+            raise ValueError(f"{name} must not be empty.")
+    for b in budgets:
+        check_int("budget", b)
+    for g in gammas:
+        check_int("gamma", g)
+    return drafts, draft_model_drafts, budgets, gammas, weight_formats
+
+
+def _best(candidates: list, tt: float, min_speedup: float, common: dict) -> Plan:
+    """The plan of the best ``(estimate, view)``, with the best γ of each other (draft, budget) as
+    runner-ups (alternatives rather than the winner's neighbouring γs)."""
     candidates.sort(key=lambda c: c[0].speedup, reverse=True)
     estimates = [e for e, _ in candidates]
     best = estimates[0]
-    # Runner-ups: the best gamma of each other (draft, budget), so the list shows alternatives
-    # rather than the winner's neighbouring gammas.
     seen = {(best.draft, best.draft_budget, best.draft_model, best.draft_weights)}
     runner_ups = []
     for e in estimates[1:]:
@@ -337,8 +341,7 @@ def plan(
     else:
         reason = (f"best predicted speedup {best.speedup:.2f}x < {min_speedup:g}x: verification or drafting "
                   "costs more than the accepted tokens save at this batch and context")
-    common["draft_model"] = best.draft_model
-    common["draft_options"] = _options(candidates[0][1])
-    common["draft_weights"] = best.draft_weights
+    common = dict(common, draft_model=best.draft_model, draft_options=_options(candidates[0][1]),
+                  draft_weights=best.draft_weights)
     return Plan(speculate, best.draft, best.draft_budget, best.gamma, best.speedup, best.acceptance, best.omega,
                 tt, best.t_draft, best.t_verify, tuple(runner_ups[:_RUNNER_UPS]), reason=reason, **common)

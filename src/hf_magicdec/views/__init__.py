@@ -11,18 +11,16 @@ options) and calling :func:`register_view`.
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable
 
-from .base import DraftView, ScoreContext
-from .dynamic import Dynamic, DynamicView
-from .full import Full, FullView
-from .snapkv import SnapKV, SnapKVView, snapkv_scores
-from .streamingllm import StreamingLLM, StreamingLLMView
+from .base import DraftView, ScoreContext, ViewCache
+from .dynamic import Dynamic, PageSelection
+from .full import Full
+from .snapkv import SnapKV, snapkv_scores
+from .streamingllm import StreamingLLM
 
 # name -> a DraftView subclass (built with the options get_view receives) or an instance (its
 # fields are the defaults, get_view replaces the ones it receives).
 _VIEWS: dict[str, type[DraftView] | DraftView] = {}
-_LISTENERS: list[Callable[[], None]] = []
 
 
 def _view_class(entry: type[DraftView] | DraftView) -> type[DraftView]:
@@ -50,8 +48,6 @@ def register_view(view: type[DraftView] | DraftView) -> type[DraftView] | DraftV
     if not dataclasses.is_dataclass(cls):
         raise TypeError(f"{cls.__name__} must be a dataclass (its fields are its options).")
     _VIEWS[cls.name] = view
-    for listener in _LISTENERS:
-        listener()
     return view
 
 
@@ -91,30 +87,20 @@ def available_views() -> tuple[str, ...]:
     return tuple(_VIEWS)
 
 
-def on_register(listener: Callable[[], None]) -> None:
-    """Call ``listener()`` now and whenever a view is registered (``generate`` lists the views'
-    options in its signature this way)."""
-    _LISTENERS.append(listener)
-    listener()
-
-
 for _view in (StreamingLLM, SnapKV, Full, Dynamic):
     register_view(_view)
 
 __all__ = [
     "DraftView",
     "Dynamic",
-    "DynamicView",
     "Full",
-    "FullView",
+    "PageSelection",
     "ScoreContext",
     "SnapKV",
-    "SnapKVView",
     "StreamingLLM",
-    "StreamingLLMView",
+    "ViewCache",
     "available_views",
     "get_view",
-    "on_register",
     "register_view",
     "snapkv_scores",
     "view_option_names",

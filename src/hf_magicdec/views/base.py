@@ -20,14 +20,11 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import Any, ClassVar, Protocol, Sequence
 
 import torch
 
 from ..defaults import MAX_GAMMA
-
-if TYPE_CHECKING:
-    from ..config import MagicDecConfig
 
 
 def is_int(value: Any) -> bool:
@@ -50,6 +47,28 @@ def check_sizes(budget: Any, gamma: Any) -> None:
         raise ValueError(f"gamma must be an int in [0, {MAX_GAMMA}], got {gamma!r}.")
 
 
+class ViewCache(Protocol):
+    """What a view with per-row state reads of the engine's cache
+    (:class:`~hf_magicdec.engine.cache.MagicDecCache`), and the one write it may ask for.
+
+    Attributes
+    ----------
+    geometry : the draft views' slot layout (``static_slots``, ``static_count [B]``,
+        ``static_candidates [B]`` …; :class:`~hf_magicdec.engine.cache.DraftGeometry`).
+    pad, lengths : ``[B]`` left padding and committed slots of each row.
+    layers : per layer, ``keys`` / ``values`` ``[B, Hkv, capacity, D]`` (the full KV).
+    """
+
+    geometry: Any
+    pad: torch.Tensor
+    lengths: torch.Tensor
+    layers: Sequence[Any]
+
+    def replace_static(self, layer_idx: int, slots: torch.Tensor, where: torch.Tensor, start: int = 0) -> None:
+        """View slots ``[start, start + n)`` of layer ``layer_idx`` take the full KV at ``slots
+        [B, Hkv, n]`` where ``where`` holds."""
+
+
 @dataclass
 class ScoreContext:
     """What a view may look at when scoring one layer's prompt tokens.
@@ -66,15 +85,12 @@ class ScoreContext:
         positions, when the view asked for them (:meth:`DraftView.observation_window`).
     scaling : float
         The attention softmax scale (1/√head_dim for most models).
-    config : MagicDecConfig
-        The generation's configuration (the view's own options are on the view).
     """
 
     keys: torch.Tensor
     valid: torch.Tensor
     queries: torch.Tensor | None
     scaling: float
-    config: "MagicDecConfig"
 
 
 @dataclass(frozen=True)
@@ -88,7 +104,8 @@ class DraftView:
     """
 
     name: ClassVar[str] = ""
-    #: True for views that re-select their static part from each draft step's query (:meth:`refill`).
+    #: True for views that re-select their static part from each draft step's query (the state
+    #: :meth:`prepare` returns does it, before every draft attention).
     query_aware: ClassVar[bool] = False
 
     # ------------------------------------------------------------------ options
@@ -145,10 +162,10 @@ class DraftView:
         """
         raise NotImplementedError
 
-    def prepare(self, cache, config: "MagicDecConfig", prompt_slots: int) -> None:
-        """Called once after the views are built: precompute what :meth:`refill` needs (per-row
-        tensors go in ``cache.row_state``, which follows ``select_rows``). Default: nothing."""
-
-    def refill(self, cache, layer_idx: int, query: torch.Tensor, scaling: float | None) -> None:
-        """Query-aware views only: rewrite layer ``layer_idx``'s static part from the draft step's
-        ``query`` (``[B, H, 1, D]``), called by the attention function before the draft attention."""
+    def prepare(self, cache: ViewCache, prompt_slots: int):
+        """Called once after the views are built (``cache``: the engine's cache, read as
+        :class:`ViewCache` says). A view that keeps per-row state returns it as an object with ``select_rows(rows)``
+        (and, for a query-aware view, ``on_draft_query(cache, layer_idx, query [B, H, 1, D],
+        scaling)``, called before each draft attention, which rewrites the static part through
+        ``cache.replace_static``); the cache keeps it aligned with its rows. Default: None."""
+        return None

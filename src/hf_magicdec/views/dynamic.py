@@ -10,7 +10,7 @@ step's query, instead of once after prefill::
   and KV head, and each page keeps the elementwise ``min`` and ``max`` of its keys. Pages start at
   each row's first candidate token (``pad[b] + sink_tokens``), so no page ever mixes left padding
   with tokens; a row's last page may be partial.
-* **Selection** (:meth:`DynamicView.refill`, called by the attention function before each
+* **Selection** (:meth:`PageSelection.on_draft_query`, called by the cache before each
   draft attention): Quest's upper bound of the attention logit of query ``q`` on any key of a
   page, ``Σ_d max(q_d·min_d, q_d·max_d)``, summed over the query heads that share the KV head;
   the best pages fill the ``n_pages · P`` page slots (in score order, a partial page counting for
@@ -32,31 +32,12 @@ granularity for speed (``hf_magicdec.planner`` charges the same).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from dataclasses import dataclass, field
 
 import torch
 
 from ..defaults import DEFAULT_PAGE_SIZE, DEFAULT_SINK_TOKENS
-from .base import DraftView, ScoreContext, check_sizes, is_int, require_int
-
-if TYPE_CHECKING:
-    from ..engine.cache import MagicDecCache
-    from ..config import MagicDecConfig
-
-# Keys of the per-row tensors this view keeps in ``MagicDecCache.row_state`` (they follow
-# ``select_rows``). ``layer = -1``: shared by all layers.
-_SELECTING = ("dynamic.selecting", -1)  # [B] bool: the row's prompt exceeds the budget
-_START = ("dynamic.page_start", -1)  # [B, pages] first slot of each page
-_SIZE = ("dynamic.page_size", -1)  # [B, pages] real tokens of each page (0: not a candidate)
-
-
-def _kmin(layer: int):
-    return ("dynamic.kmin", layer)  # [B, Hkv, pages, D]
-
-
-def _kmax(layer: int):
-    return ("dynamic.kmax", layer)  # [B, Hkv, pages, D]
+from .base import DraftView, ScoreContext, ViewCache, check_sizes, is_int, require_int
 
 
 def page_summaries(keys: torch.Tensor, first: torch.Tensor, span: torch.Tensor, page_size: int):
@@ -213,44 +194,67 @@ class Dynamic(DraftView):
         order = -torch.arange(slots, device=ctx.keys.device, dtype=torch.float32)
         return order.expand(batch, kv_heads, slots)
 
-    def prepare(self, cache: "MagicDecCache", config: "MagicDecConfig", prompt_slots: int) -> None:
-        """Build the page summaries of every layer (once, after the views are built)."""
-        n_valid = prompt_slots - cache.pad
-        ring_init = torch.minimum(n_valid - cache.static_count, cache.ring_size)
-        region = n_valid - ring_init  # candidates of the static part, as build_draft_views chose them
-        selecting = region > cache.static_slots
-        sinks = min(self.sink_tokens, cache.static_slots)
-        span = torch.where(selecting, region - sinks, torch.zeros_like(region))
+    def prepare(self, cache: ViewCache, prompt_slots: int) -> "PageSelection | None":
+        """Build the page summaries of every layer (once, after the views are built); None when
+        every prompt fits the budget (nothing to select, ever)."""
+        geometry = cache.geometry
+        region = geometry.static_candidates  # candidates of the static part, as the cache laid them out
+        selecting = region > geometry.static_slots
         if not bool(selecting.any()):
-            return  # every prompt fits: nothing to select, ever
+            return None
+        sinks = min(self.sink_tokens, geometry.static_slots)
+        span = torch.where(selecting, region - sinks, torch.zeros_like(region))
         first = cache.pad + sinks
-        for i, layer in enumerate(cache.layers):
-            kmin, kmax, start, tokens = page_summaries(layer.keys[:, :, :prompt_slots], first, span, self.page_size)
-            cache.row_state[_kmin(i)], cache.row_state[_kmax(i)] = kmin, kmax
-        cache.row_state[_START], cache.row_state[_SIZE] = start, tokens
-        cache.row_state[_SELECTING] = selecting
+        state = PageSelection(self, sinks, geometry.static_slots - sinks, selecting)
+        for layer in cache.layers:
+            kmin, kmax, state.page_start, state.page_tokens = page_summaries(layer.keys[:, :, :prompt_slots], first,
+                                                                             span, self.page_size)
+            state.kmin.append(kmin)
+            state.kmax.append(kmax)
+        return state
 
-    def refill(self, cache: "MagicDecCache", layer_idx: int, query: torch.Tensor, scaling: float | None) -> None:
+
+@dataclass
+class PageSelection:
+    """Per-row state of a :class:`Dynamic` view in one cache: page summaries per layer and which
+    rows select (the cache keeps it aligned with its rows and calls :meth:`on_draft_query`).
+
+    Attributes
+    ----------
+    view : the view.
+    sinks, page_slots : static slots kept as sinks, and filled with pages.
+    selecting : ``[B]`` bool, the row's prompt exceeds the budget.
+    kmin, kmax : per layer ``[B, Hkv, N, D]`` page summaries.
+    page_start, page_tokens : ``[B, N]`` first slot and real tokens of each page.
+    """
+
+    view: Dynamic
+    sinks: int
+    page_slots: int
+    selecting: torch.Tensor
+    kmin: list[torch.Tensor] = field(default_factory=list)
+    kmax: list[torch.Tensor] = field(default_factory=list)
+    page_start: torch.Tensor | None = None
+    page_tokens: torch.Tensor | None = None
+
+    def select_rows(self, rows: torch.Tensor) -> None:
+        self.selecting = self.selecting.index_select(0, rows.to(self.selecting.device))
+        self.page_start = self.page_start.index_select(0, rows.to(self.page_start.device))
+        self.page_tokens = self.page_tokens.index_select(0, rows.to(self.page_tokens.device))
+        self.kmin = [t.index_select(0, rows.to(t.device)) for t in self.kmin]
+        self.kmax = [t.index_select(0, rows.to(t.device)) for t in self.kmax]
+
+    def on_draft_query(self, cache: ViewCache, layer_idx: int, query: torch.Tensor,
+                       scaling: float | None) -> None:
         """Rewrite the page slots of ``layer_idx``'s static part from this draft step's ``query``
         ``[B, H, 1, D]`` (rows whose prompt fits are left alone)."""
-        kmin = cache.row_state.get(_kmin(layer_idx))
-        if kmin is None:
-            return
-        layer = cache.layers[layer_idx]
-        if layer.keys.shape[2] == 0:
+        keys = cache.layers[layer_idx].keys
+        if keys.shape[2] == 0:
             return  # full cache released (a separate draft model): the view stays as built
+        kmin = self.kmin[layer_idx]
         dev = kmin.device
-        sinks = min(self.sink_tokens, cache.static_slots)
-        page_slots = cache.static_slots - sinks
-        start, tokens = cache.row_state[_START].to(dev), cache.row_state[_SIZE].to(dev)
-        scores = page_scores(query, kmin, cache.row_state[_kmax(layer_idx)])
-        slot = select_page_slots(scores, start, tokens, page_slots, self.page_size)
-        slot = slot.clamp(max=layer.keys.shape[2] - 1)  # rows that do not select: any valid slot
-        selecting = cache.row_state[_SELECTING].to(dev)[:, None, None, None]
-        end = sinks + page_slots
-        for source, dest in ((layer.keys, layer.draft_keys), (layer.values, layer.draft_values)):
-            fresh = torch.gather(source, 2, slot[..., None].expand(-1, -1, -1, source.shape[-1]))
-            dest[:, :, sinks:end] = torch.where(selecting, fresh, dest[:, :, sinks:end])
-
-
-DynamicView = Dynamic  # the former name
+        scores = page_scores(query, kmin, self.kmax[layer_idx])
+        slot = select_page_slots(scores, self.page_start.to(dev), self.page_tokens.to(dev), self.page_slots,
+                                 self.view.page_size)
+        slot = slot.clamp(max=keys.shape[2] - 1)  # rows that do not select: any valid slot
+        cache.replace_static(layer_idx, slot, self.selecting.to(dev)[:, None, None], start=self.sinks)

@@ -22,4 +22,3 @@ class Full(DraftView):
         return max(prompt_len + max_new_tokens + gamma + 1, gamma + 1)
 
 
-FullView = Full  # the former name

@@ -113,4 +113,3 @@ class SnapKV(DraftView):
         return snapkv_scores(ctx.queries[:, :, -window:], ctx.keys, ctx.valid, ctx.scaling, self.pool_kernel)
 
 
-SnapKVView = SnapKV  # the former name

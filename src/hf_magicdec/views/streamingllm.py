@@ -52,4 +52,3 @@ class StreamingLLM(DraftView):
         return order.expand(batch, kv_heads, slots)
 
 
-StreamingLLMView = StreamingLLM  # the former name

@@ -1,0 +1,440 @@
+"""`MagicDecCache`: the full KV cache with ragged per-row lengths, plus compressed draft views.
+
+Layout per layer (``B`` rows, ``Hkv`` local KV heads, ``D`` head dim; :mod:`.layers`)::
+
+    full KV      [B, Hkv, capacity, D]    row b's committed tokens are slots [0, lengths[b]) (left
+                                          padding included, always masked); grows (``reserve``)
+    draft view   [B, Hkv, Ks + W + scratch + 1, D]
+                 [ static selection Ks | rolling window W | draft scratch | trash 1 ]  (:mod:`.geometry`)
+
+Models call ``cache.update(k, v, layer_idx)`` without metadata, so the engine opens each forward
+first (:meth:`~MagicDecCache.begin_prefill` / ``begin_draft`` / ``begin_verify``, which return the
+forward's value, :mod:`.forwards`) and the cache owns every per-row offset. Commit and rollback are
+O(1) per row: rejected tokens' KV stays in slots that the next verify overwrites, and only
+``lengths`` moves.
+
+Memory follows what is generated, not ``max_new_tokens``: the full cache starts at the prompt plus
+a modest headroom (:func:`~.buffers.initial_capacity`) and :meth:`MagicDecCache.reserve` grows it
+geometrically, capped at what the call can generate, when the next verify would write past it.
+Growing allocates the larger buffers (on each layer's own device), copies the filled prefix and
+replaces them: one contiguous layout, so kernels, masks and key ranges are unchanged. The draft
+views are separate fixed-size buffers and never move.
+
+Whoever needs per-row state beside the cache's (a query-aware view's page summaries, the refresh
+policy's query rings) keeps it in an object of its own and :meth:`~MagicDecCache.attach`-es it:
+the cache calls its ``select_rows`` when rows leave, and its ``on_draft_query`` /
+``on_verify_query`` (if it has them) before the attention of each draft / verify forward.
+Nothing outside this package writes the cache's state.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+from transformers.cache_utils import Cache
+
+from ...views import DraftView, ScoreContext
+from .buffers import grown_capacity, per_device
+from .forwards import DraftForward, Forward, PrefillForward, VerifyForward
+from .geometry import DraftGeometry
+from .layers import MagicDecLayer
+from .options import CacheOptions
+
+__all__ = ["CacheHook", "MagicDecCache", "PromptSnapshot"]
+
+
+class CacheHook(Protocol):
+    """Per-row state kept beside a cache (:meth:`MagicDecCache.attach`). Optionally also
+    ``on_draft_query(cache, layer_idx, query, scaling)`` / ``on_verify_query(...)``."""
+
+    def select_rows(self, rows: torch.Tensor) -> None:
+        """Keep only these rows (``[b']`` indices into the current rows)."""
+
+
+@dataclass
+class PromptSnapshot:
+    """A prefilled prompt copied out of a cache (:meth:`MagicDecCache.snapshot_prompt`): per layer
+    ``(keys, values) [B, Hkv, prompt, D]``, the observed queries and their scale."""
+
+    prompt: int
+    pad: torch.Tensor
+    layers: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, float | None]]
+
+
+class MagicDecCache(Cache):
+    """Full KV cache with per-row write offsets and per-layer draft views.
+
+    Parameters
+    ----------
+    num_layers : int
+        Decoder layers of the model.
+    batch_size : int
+        Rows.
+    capacity : int
+        Slots per row allocated now: at least the prompt length (prefill writes ``[0, prompt)``)
+        and, before each verify, the longest row + the verified tokens (:meth:`reserve`).
+    pad_lengths : torch.LongTensor
+        ``[batch]`` left-padding slots of each row's prompt.
+    options : CacheOptions
+        Fixed for the cache's life (observation window, position limit, growth bound, compiled
+        steps' fixed shapes and static addresses).
+
+    Notes
+    -----
+    Not meant to be reused across ``generate`` calls: the engine builds one per call.
+    """
+
+    def __init__(self, num_layers: int, batch_size: int, capacity: int, pad_lengths: torch.Tensor,
+                 options: CacheOptions | None = None):
+        super().__init__(layers=[MagicDecLayer(self, i) for i in range(num_layers)])
+        self.options = options if options is not None else CacheOptions()
+        self._capacity = capacity
+        self._max_capacity = max(capacity, self.options.max_capacity or capacity)
+        self._growths = 0
+        self._pad = pad_lengths.long()  # [B]
+        self._lengths = torch.zeros_like(self._pad)  # [B] committed slots
+        self._max_len = 0  # host mirror of lengths.max()
+        # Prefill leaves slots below this untouched: they hold a continued cache's KV as the user
+        # gave it, and prefill re-runs their last tokens only to record SnapKV's observation queries.
+        self._frozen = 0
+        self._forward: Forward | None = None
+        self._view: DraftView | None = None
+        self._geometry: DraftGeometry | None = None
+        self._view_state: CacheHook | None = None
+        self._hooks: list[CacheHook] = []
+
+    # ------------------------------------------------------------------ what others read
+    @property
+    def num_rows(self) -> int:
+        return int(self._pad.shape[0])
+
+    @property
+    def pad(self) -> torch.Tensor:
+        """``[B]`` left-padding slots of each row."""
+        return self._pad
+
+    @property
+    def lengths(self) -> torch.Tensor:
+        """``[B]`` committed slots of each row (padding included)."""
+        return self._lengths
+
+    @property
+    def capacity(self) -> int:
+        """Slots per row allocated in every layer's full KV."""
+        return self._capacity
+
+    @property
+    def max_capacity(self) -> int:
+        return self._max_capacity
+
+    @property
+    def growths(self) -> int:
+        """Times :meth:`reserve` grew the full cache."""
+        return self._growths
+
+    @property
+    def view(self) -> DraftView | None:
+        return self._view
+
+    @property
+    def geometry(self) -> DraftGeometry | None:
+        """The draft views' slot layout (None before :meth:`build_draft_views`)."""
+        return self._geometry
+
+    @property
+    def static_slots(self) -> int:
+        return self._geometry.static_slots if self._geometry is not None else 0
+
+    @property
+    def window_slots(self) -> int:
+        return self._geometry.window_slots if self._geometry is not None else 0
+
+    @property
+    def forward(self) -> Forward | None:
+        """The open forward (None between steps)."""
+        return self._forward
+
+    @property
+    def hooks(self) -> tuple[CacheHook, ...]:
+        return tuple(self._hooks)
+
+    def max_length(self) -> int:
+        """Longest committed row, in slots (padding included)."""
+        return self._max_len
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self._max_len
+
+    # ------------------------------------------------------------------ forwards
+    def begin_prefill(self, start: int, length: int) -> PrefillForward:
+        """Next forward writes prompt slots ``[start, start + length)`` in every row."""
+        self._forward = PrefillForward(self, start, length, self._frozen, self.options.observation_window)
+        return self._forward
+
+    def end_prefill(self, prompt_slots: int) -> None:
+        self._lengths.fill_(prompt_slots)
+        self._max_len = prompt_slots
+        self._forward = None
+
+    def begin_draft(self, step: int, num_tokens: int = 1, skip: torch.Tensor | None = None) -> DraftForward:
+        """Next forward drafts on the draft views: ``num_tokens`` tokens per row written to draft
+        scratch slots ``[step, step + num_tokens)``, attending to the view and causally to the
+        scratch written so far, except its first ``skip[b]`` slots (``[B]``; a separate draft
+        model re-feeds a token whose KV is already in the view)."""
+        if self._geometry is None:
+            raise RuntimeError("build_draft_views() must run before drafting.")
+        self._forward = DraftForward(self, step, num_tokens, skip)
+        return self._forward
+
+    def begin_verify(self, num_tokens: int) -> VerifyForward:
+        """Next forward verifies ``num_tokens`` tokens per row at each row's own offset."""
+        self._forward = VerifyForward(self, num_tokens)
+        return self._forward
+
+    def _write(self, layer: MagicDecLayer, key_states: torch.Tensor, value_states: torch.Tensor):
+        if self._forward is None:
+            raise RuntimeError(
+                "MagicDecCache.update() called outside a MagicDec step; this cache is driven by hf_magicdec's engine."
+            )
+        return self._forward.write(layer, key_states, value_states)
+
+    # ------------------------------------------------------------------ buffers
+    def reserve(self, slots: int) -> bool:
+        """Make the full cache hold at least ``slots`` slots per row; call it between steps, e.g.
+        with ``max_length() + q`` before a ``q``-token verify (host-side, no device sync).
+
+        Grows geometrically (:func:`~.buffers.grown_capacity`, capped at ``max_capacity``) so that
+        the copies are amortised: every initialized layer gets new buffers on its own device with
+        the filled prefix ``[0, max_length())`` copied. Layers whose full KV was released
+        (:meth:`release_full_kv`) stay empty. Returns whether the cache grew.
+        """
+        if slots <= self._capacity:
+            return False
+        if self._forward is not None:
+            raise RuntimeError(f"MagicDecCache.reserve() during a {self._forward.kind} forward; grow it between steps.")
+        capacity = grown_capacity(self._capacity, slots, self._max_capacity)
+        self._capacity = capacity  # layers allocate from it
+        for layer in self.layers:
+            layer.widen(capacity, self._max_len)  # every row's committed KV lies in [0, lengths[b])
+            self._made(*layer.buffers()[:2])
+        self._max_capacity = max(self._max_capacity, capacity)
+        self._growths += 1
+        return True
+
+    def _made(self, *buffers: torch.Tensor) -> None:
+        """New KV buffers exist: mark them static for CUDA graphs when the steps are captured on CUDA."""
+        if self.options.static_addresses:
+            for buffer in buffers:
+                if buffer is not None and buffer.numel():
+                    torch._dynamo.mark_static_address(buffer)
+
+    def mark_static_addresses(self) -> None:
+        """Tell ``torch.compile`` that every full and draft KV buffer keeps its address, so CUDA
+        graphs (``mode="reduce-overhead"``) may capture steps that write them in place. Buffers made
+        later (growth, row selection, new views) are marked as they are made when
+        ``options.static_addresses`` is set; those events change the buffers' shapes too, so they
+        cost no recompilation of their own."""
+        for layer in self.layers:
+            for buffer in layer.buffers():
+                if buffer.numel():
+                    torch._dynamo.mark_static_address(buffer)
+
+    def load_prefix(self, layer_idx: int, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Start layer ``layer_idx`` from a cache's KV ``keys / values [B, Hkv, n, D]`` (slots
+        ``[0, n)`` of every row, left padding included): allocated on their device and copied, so
+        the caller may drop its own. Prefill then continues at slot ``n``, which it leaves as given."""
+        self.layers[layer_idx].load(keys, values)
+        self._frozen = keys.shape[2]
+
+    def fill_synthetic(self, context: int, kv_heads: int, heads: int, head_dim: int, dtype: torch.dtype,
+                       device: torch.device) -> None:
+        """Random KV (and observation queries) as if ``context`` tokens had been prefilled: step
+        timings do not depend on KV values, and a real prefill costs far more than the steps."""
+        seed = torch.zeros(self.num_rows, kv_heads, 1, head_dim, dtype=dtype, device=device)
+        window = self.options.observation_window
+        for layer in self.layers:
+            layer.lazy_initialization(seed, seed)
+            layer.keys.normal_()
+            layer.values.normal_()
+            if window:
+                queries = torch.randn(self.num_rows, heads, min(window, context), head_dim, dtype=dtype, device=device)
+                layer.observe(queries, head_dim ** -0.5, window)
+        self.end_prefill(context)
+
+    def snapshot_prompt(self) -> PromptSnapshot:
+        """Copies of the prefilled prompt's KV and observations (right after :meth:`end_prefill`)."""
+        prompt = self._max_len
+        layers = [(layer.keys[:, :, :prompt].clone(), layer.values[:, :, :prompt].clone(),
+                   None if layer.observed_queries is None else layer.observed_queries.clone(), layer.scaling)
+                  for layer in self.layers]
+        return PromptSnapshot(prompt, self._pad.clone(), layers)
+
+    @classmethod
+    def from_snapshot(cls, snapshot: PromptSnapshot, capacity: int, options: CacheOptions) -> "MagicDecCache":
+        """A prefilled cache of ``capacity`` slots per row holding ``snapshot``'s prompt, keeping the
+        last ``options.observation_window`` observed queries of each layer."""
+        cache = cls(len(snapshot.layers), snapshot.pad.shape[0], capacity, snapshot.pad.clone(), options)
+        window = options.observation_window
+        for layer, (keys, values, queries, scaling) in zip(cache.layers, snapshot.layers):
+            layer.load(keys, values)
+            if window and queries is not None:
+                layer.observe(queries, scaling, window)
+        cache.end_prefill(snapshot.prompt)
+        return cache
+
+    def export_rows(self, rows: torch.Tensor) -> tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]:
+        """Copies of the committed KV of working rows ``rows [k]``: ``(lengths [k], per layer
+        (keys, values) [k, Hkv, max(lengths), D])``; slots past a row's length are not its KV."""
+        rows = rows.to(self._lengths.device)
+        lengths = self._lengths.index_select(0, rows)
+        filled = int(lengths.max()) if rows.numel() else 0
+        on = per_device(rows)
+        return lengths, [layer.export(on(layer.keys.device)[0], filled) for layer in self.layers]
+
+    def release_full_kv(self) -> None:
+        """Free the full cache once the draft views are built, for a draft model that only ever
+        attends to its views (their rolling windows are fed by :meth:`commit_scratch`)."""
+        for layer in self.layers:
+            layer.release_full()
+        self._capacity = self._max_capacity = 0  # nothing left to write into or grow
+
+    # ------------------------------------------------------------------ draft views
+    def build_draft_views(self, view: DraftView, budget: int, gamma: int, prompt_slots: int, max_new_tokens: int,
+                          scratch: int | None = None) -> None:
+        """Select every layer's draft view from the prefilled prompt (layout: :mod:`.geometry`).
+
+        ``budget`` and ``gamma`` size the view (``view.static_slots`` / ``view.window_slots``);
+        ``scratch`` is the number of draft slots per step (default ``gamma``; the largest γ when γ
+        adapts during generation). A view with per-row state (``view.prepare``) gets it attached.
+        """
+        ks = view.static_slots(budget, prompt_slots)
+        w = view.window_slots(budget, gamma, prompt_slots, max_new_tokens)
+        geometry = DraftGeometry.for_prompt(ks, w, gamma if scratch is None else scratch, prompt_slots, self._pad)
+        self._view, self._geometry = view, geometry
+        device = self._lengths.device
+        slot = torch.arange(prompt_slots, device=device)
+        valid = slot[None, :] >= self._pad[:, None]  # [B, P]
+        candidate = valid & (slot[None, :] < (self._pad + geometry.static_candidates)[:, None])
+        ring_src = geometry.initial_sources(prompt_slots)  # [B, Ks+W]
+        is_static = torch.arange(ks + w, device=device)[None, :] < geometry.static_count[:, None]
+        for layer in self.layers:
+            source = self._view_sources(layer, view, prompt_slots, valid, candidate, ring_src, is_static)
+            layer.build_view(geometry.total_slots, source)
+            layer.forget_observation()
+        if self._view_state is not None:
+            self._hooks.remove(self._view_state)
+        self._view_state = view.prepare(self, prompt_slots)  # e.g. dynamic's page summaries
+        if self._view_state is not None:
+            self.attach(self._view_state)
+        self._forward = None
+
+    def _view_sources(self, layer, view, prompt_slots, valid, candidate, ring_src, is_static) -> torch.Tensor | None:
+        """``[B, Hkv, Ks + W]`` full-cache slot of each view slot of ``layer``: the view's top-scored
+        candidates in the static part, the prompt's tail in the window."""
+        if prompt_slots == 0:
+            return None
+        keys = layer.keys
+        dev = keys.device
+        kv_heads, head_dim = keys.shape[1], keys.shape[-1]
+        source = ring_src.to(dev)[:, None, :].expand(-1, kv_heads, -1).clone()
+        k = min(self._geometry.static_slots, prompt_slots)
+        if k > 0:
+            ctx = ScoreContext(keys=keys[:, :, :prompt_slots], valid=valid.to(dev), queries=layer.observed_queries,
+                               scaling=layer.scaling if layer.scaling is not None else head_dim**-0.5)
+            scores = view.score(ctx).float()  # [B, Hkv, P]
+            scores = scores.masked_fill(~candidate.to(dev)[:, None, :], float("-inf"))
+            picked = torch.topk(scores, k, dim=-1, sorted=True).indices  # [B, Hkv, k], candidates first
+            static = is_static.to(dev)[:, None, :k]
+            source[:, :, :k] = torch.where(static, picked, source[:, :, :k])
+        return source
+
+    def draft_valid(self) -> torch.Tensor:
+        """``[B, Ks + W]`` bool: which slots of the draft view hold a token (a prefix of each row)."""
+        return self._geometry.valid()
+
+    def replace_static(self, layer_idx: int, slots: torch.Tensor, where: torch.Tensor, start: int = 0) -> None:
+        """Layer ``layer_idx``'s view slots ``[start, start + n)`` take the full KV at ``slots
+        [B, Hkv, n]`` where ``where`` (bool, broadcastable to ``[B, Hkv, n]``) holds: a query-aware
+        view's refill, a refresh's re-selection."""
+        layer = self.layers[layer_idx]
+        layer.draft.replace_static(layer.keys, layer.values, slots, start, where)
+
+    def attach(self, hook: CacheHook) -> None:
+        """Keep ``hook``'s per-row state aligned with the cache's rows (and call its query hooks)."""
+        self._hooks.append(hook)
+
+    # ------------------------------------------------------------------ commit / rows
+    def commit(self, num_tokens: torch.Tensor, max_length: int | None = None) -> None:
+        """Keep the first ``num_tokens[b]`` verified tokens of each row (the rest is rolled back)
+        and append their target KV to every draft view's rolling window.
+
+        Parameters
+        ----------
+        num_tokens : ``[B]`` int, in ``[0, q]`` where ``q`` is the open verify's token count.
+        max_length : the new ``lengths.max()`` when the caller read it already (the engine reads
+            it with its one host read per step); None: read here.
+        """
+        verify = self._forward
+        if not isinstance(verify, VerifyForward):
+            raise RuntimeError("MagicDecCache.commit() follows a verify forward (begin_verify).")
+        num_tokens = num_tokens.to(self._lengths.device).long()
+        if self._geometry is not None:
+            j = torch.arange(verify.num_tokens, device=self._lengths.device)
+            src = (self._lengths[:, None] + j).clamp(max=self._capacity - 1)  # [B, q]
+            self._append_to_windows(src, num_tokens, from_full_cache=True)
+        self._lengths += num_tokens
+        self._max_len = max_length if max_length is not None else self._read_max_length()
+        self._forward = None
+
+    def _read_max_length(self) -> int:
+        return int(self._lengths.max().item()) if self._lengths.numel() else 0
+
+    def commit_scratch(self, src: torch.Tensor, count: torch.Tensor) -> None:
+        """Append draft scratch slots ``src[b, :count[b]]`` (relative to the scratch start) to each
+        row's rolling window: a separate draft model's own KV of the committed tokens.
+
+        Parameters
+        ----------
+        src : ``[B, n]`` scratch slot of each token to append, in order.
+        count : ``[B]`` tokens to append per row, ``<= n``.
+        """
+        dev = self._lengths.device
+        self._append_to_windows(self._geometry.view_slots + src.to(dev), count.to(dev).long(), from_full_cache=False)
+        self._forward = None
+
+    def _append_to_windows(self, src: torch.Tensor, count: torch.Tensor, from_full_cache: bool) -> None:
+        """Copy slots ``src[b, :count[b]]`` of each row, taken from the full cache or from the draft
+        buffer itself, into the next slots of its rolling window (the rest go to the trash slot)."""
+        dst = self._geometry.ring_targets(count, src.shape[1])
+        on = per_device(src, dst)
+        for layer in self.layers:
+            s, d = on(layer.draft.keys.device)
+            source = (layer.keys, layer.values) if from_full_cache else layer.draft.buffers()
+            layer.draft.append(*source, s, d)
+        self._geometry.advance(count)
+
+    def select_rows(self, rows: torch.Tensor, max_length: int | None = None) -> None:
+        """Keep only ``rows`` (``[B']`` indices), dropping finished rows from the working batch
+        (``max_length``: the kept rows' longest length when the caller knows it; None: read here)."""
+        rows = rows.to(self._lengths.device)
+        self._pad = self._pad.index_select(0, rows)
+        self._lengths = self._lengths.index_select(0, rows)
+        if self._geometry is not None:
+            self._geometry.select_rows(rows)
+        on = per_device(rows)
+        for layer in self.layers:
+            if layer.is_initialized:
+                layer.select_rows(on(layer.keys.device)[0])
+                self._made(*layer.buffers())
+        for hook in self._hooks:
+            hook.select_rows(rows)
+        self._max_len = max_length if max_length is not None else self._read_max_length()
+
+    # Generic Cache API that would silently corrupt ragged state: refuse loudly.
+    def crop(self, max_length: int):
+        raise NotImplementedError("MagicDecCache keeps ragged per-row lengths; use commit() instead of crop().")
+
+    def reorder_cache(self, beam_idx: torch.LongTensor):
+        raise NotImplementedError("MagicDecCache does not support beam search.")

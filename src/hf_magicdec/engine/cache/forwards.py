@@ -1,0 +1,174 @@
+"""One forward's view of the cache: where its keys go and which keys each query reads.
+
+Models call ``cache.update(k, v, layer_idx)`` without metadata, so the engine opens a forward
+before calling the model (``MagicDecCache.begin_prefill`` / ``begin_draft`` / ``begin_verify``),
+which returns one of these values; the cache routes every ``update`` of that forward to it and the
+attention function asks it for the forward's key ranges (:class:`~hf_magicdec.kernels.Segments`).
+A forward lives until the next one opens or the step is committed; nothing of it outlives that.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+import torch
+from transformers.cache_utils import Cache
+
+from ...kernels import Segments
+from .layers import MagicDecLayer
+
+__all__ = ["DraftForward", "Forward", "PrefillForward", "VerifyForward"]
+
+
+class Forward:
+    """What every forward knows: its query length, its key ranges, and which cache layer each key
+    tensor handed to attention came from. ``cache``: the :class:`MagicDecCache` that opened it."""
+
+    kind: ClassVar[str] = ""
+
+    def __init__(self, cache: Cache, num_tokens: int, segments: Segments | None = None):
+        self.cache = cache
+        self.num_tokens = num_tokens
+        self._segments = segments
+        self._segments_on: dict[torch.device, Segments] = {}
+        self._memo: dict[tuple[str, torch.device], torch.Tensor] = {}
+        self._key_owner: dict[int, int] = {}  # data_ptr of keys handed to attention -> cache layer
+
+    # ------------------------------------------------------------------ the attention's questions
+    def layer_of(self, key: torch.Tensor, default: Any) -> Any:
+        """Cache layer whose buffer ``key`` (as handed to attention) came from. Models may index the
+        cache differently from their modules' ``layer_idx`` (HRM cycles its layers over several
+        cache slots); ``default`` for keys this forward did not hand out, and inside a compiled step
+        (torch < 2.13 cannot trace a ``data_ptr()`` key; 2.13 finds none there either)."""
+        if torch.compiler.is_compiling():
+            return default
+        return self._key_owner.get(key.data_ptr(), default)
+
+    def segments(self, device: torch.device) -> Segments | None:
+        """Key ranges of this forward on ``device`` (one copy per device); None for prefill, which
+        attends through its mask."""
+        if self._segments is None:
+            return None
+        hit = self._segments_on.get(device)
+        if hit is None:
+            hit = self._segments_on[device] = self._segments.to(device)
+        return hit
+
+    def mask(self, q_len: int, kv_len: int) -> torch.Tensor:
+        """The ``[B, 1, q_len, kv_len]`` bool mask of these key ranges (the PyTorch attention twin
+        reuses this very tensor)."""
+        return self.segments(self.cache.lengths.device).mask(q_len, kv_len)
+
+    @property
+    def kv_length(self) -> int:
+        """Key slots this forward's attention reads (masked beyond each row's ranges)."""
+        raise NotImplementedError
+
+    def forward_mask(self) -> torch.Tensor:
+        """:meth:`mask` for this forward's own query and key lengths."""
+        return self.mask(self.num_tokens, self.kv_length)
+
+    def before_attention(self, layer_idx: int, query: torch.Tensor, scaling: float | None) -> None:
+        """Called by the attention function before the attention of a draft or verify forward."""
+
+    def observe(self, layer_idx: int, query: torch.Tensor, scaling: float | None) -> None:
+        """Called by the attention function during prefill."""
+
+    # ------------------------------------------------------------------ writes
+    def write(self, layer: MagicDecLayer, key_states: torch.Tensor, value_states: torch.Tensor):
+        keys, values = self._write(layer, key_states, value_states)
+        if not torch.compiler.is_compiling():  # see layer_of
+            self._key_owner[keys.data_ptr()] = layer.layer_idx
+        return keys, values
+
+    def _write(self, layer, key_states, value_states):
+        raise NotImplementedError
+
+    def on(self, name: str, tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+        """``tensor`` on ``device``, copied once per device for this forward (device maps)."""
+        if tensor.device == device:
+            return tensor
+        key = (name, device)
+        hit = self._memo.get(key)
+        if hit is None:
+            hit = self._memo[key] = tensor.to(device, non_blocking=True)
+        return hit
+
+
+class PrefillForward(Forward):
+    """Prompt slots ``[start, start + q)`` of every row (padding is on the left, so one offset)."""
+
+    kind = "prefill"
+
+    def __init__(self, cache, start: int, num_tokens: int, frozen: int, observation_window: int):
+        super().__init__(cache, num_tokens)
+        self.start, self.frozen, self.observation_window = start, frozen, observation_window
+
+    @property
+    def kv_length(self) -> int:
+        return self.start + self.num_tokens
+
+    def _write(self, layer, key_states, value_states):
+        return layer.write_prompt(self.start, self.frozen, key_states, value_states)
+
+    def observe(self, layer_idx, query, scaling) -> None:
+        if self.observation_window > 0:
+            self.cache.layers[layer_idx].observe(query, scaling, self.observation_window)
+
+
+class DraftForward(Forward):
+    """``q`` draft tokens per row into scratch slots ``[step, step + q)`` of the draft views,
+    attending to each row's filled view and causally to the scratch written so far (but its
+    first ``skip[b]`` slots)."""
+
+    kind = "draft"
+
+    def __init__(self, cache, step: int, num_tokens: int, skip: torch.Tensor | None):
+        geometry = cache.geometry
+        scratch = geometry.view_slots
+        super().__init__(cache, num_tokens, Segments.prefix_and_block(geometry.filled(), scratch,
+                                                                      scratch + step + num_tokens, skip))
+        self.first_slot = scratch + step
+        # A tensor, not an int, so that a compiled draft step is one graph for every step.
+        self.slots = torch.arange(self.first_slot, self.first_slot + num_tokens, device=cache.lengths.device)
+
+    @property
+    def kv_length(self) -> int:
+        return self.cache.geometry.total_slots if self.cache.options.fixed_shapes else self.first_slot + self.num_tokens
+
+    def _write(self, layer, key_states, value_states):
+        if self.cache.options.fixed_shapes:
+            return layer.draft.write_slots(self.on("slots", self.slots, layer.draft.keys.device), key_states,
+                                           value_states)
+        return layer.draft.write_range(self.first_slot, key_states, value_states)
+
+    def before_attention(self, layer_idx, query, scaling) -> None:
+        for hook in self.cache.hooks:
+            on_query = getattr(hook, "on_draft_query", None)
+            if on_query is not None:
+                on_query(self.cache, layer_idx, query, scaling)
+
+
+class VerifyForward(Forward):
+    """``q`` tokens per row at each row's own offset on the full cache, causal among themselves."""
+
+    kind = "verify"
+
+    def __init__(self, cache, num_tokens: int):
+        lengths = cache.lengths
+        super().__init__(cache, num_tokens, Segments.causal(cache.pad, lengths + num_tokens))
+        self.write_slots = lengths[:, None] + torch.arange(num_tokens, device=lengths.device)  # [B, q]
+
+    @property
+    def kv_length(self) -> int:
+        return self.cache.capacity if self.cache.options.fixed_shapes else self.cache.max_length() + self.num_tokens
+
+    def _write(self, layer, key_states, value_states):
+        slots = self.on("write_slots", self.write_slots, layer.keys.device)
+        return layer.write_rows(slots, key_states, value_states, self.kv_length)
+
+    def before_attention(self, layer_idx, query, scaling) -> None:
+        for hook in self.cache.hooks:
+            on_query = getattr(hook, "on_verify_query", None)
+            if on_query is not None:
+                on_query(self.cache, layer_idx, query, scaling)

@@ -1,0 +1,38 @@
+"""γ policies: how many tokens the next speculation step drafts.
+
+A policy has a ``gamma`` (the γ of the next step) and answers one question after every step,
+:meth:`after_step`, with the step's pooled counts read in the step's one host read (so it adds
+none of its own). Under ``synced_gpus`` every rank asks it every iteration, idle ranks with zero
+counts, so that all ranks agree on γ.
+"""
+
+from __future__ import annotations
+
+__all__ = ["AdaptiveGamma", "FixedGamma"]
+
+
+class FixedGamma:
+    """γ stays as configured."""
+
+    controller = None
+
+    def __init__(self, gamma: int):
+        self.gamma = gamma
+
+    def after_step(self, accepted: int, drafted: int) -> int:
+        return self.gamma
+
+
+class AdaptiveGamma:
+    """γ re-chosen after every step by ``controller`` (``update(accepted, drafted) -> γ``, e.g.
+    :class:`hf_magicdec.planner.gamma.GammaController`) from the acceptance pooled over rows and,
+    through ``lockstep``, over ranks."""
+
+    def __init__(self, controller, lockstep):
+        self.controller, self.lockstep = controller, lockstep
+        self.gamma = controller.gamma
+
+    def after_step(self, accepted: int, drafted: int) -> int:
+        """``accepted`` draft tokens of ``drafted`` (γ × rows that drafted) in the last step."""
+        self.gamma = self.controller.update(*self.lockstep.pool(accepted, drafted))
+        return self.gamma
