@@ -7,7 +7,7 @@ PYTHON ?= python3
 VENV   ?= .venv
 BIN     = $(VENV)/bin
 # torch 2.13.0 is a CPU wheel on CI machines; on a GPU machine override, e.g. TORCH_SPEC="torch==2.13.0".
-# It is also pyproject.toml's torch floor: the one torch the suite runs on.
+# It is the torch CI runs the suite on; pyproject.toml admits torch >= 2.11 (checked once on 2.11, see there).
 TORCH_SPEC ?= torch==2.13.0
 # The default stack pins transformers to pyproject.toml's floor; test-newest takes the newest release
 # in the supported range (override either, e.g. TRANSFORMERS_NEWEST="transformers==5.24.0").

@@ -6,8 +6,17 @@ Needs only torch, triton and transformers: no package installs, no downloads. Mo
 random-weight builds of real configs (``tests/configs/``, a few KB); ``hf_magicdec`` is imported
 from this checkout's ``src/``.
 
-    python scripts/gpu_check.py --out gpu_check.json                 # on a GPU: a few minutes
+    python scripts/gpu_check.py --out gpu_check.json                 # on a GPU: the whole grid
+    python scripts/gpu_check.py --budget-s 360 --models llama-3.1-8b --batches 32 --contexts 32768 \
+        --graph-gammas 4 --graph-budgets 512 --out gpu_check.json    # one lent call (scripts/gpu_run.sh)
     TRITON_INTERPRET=1 python scripts/gpu_check.py --smoke --out x.json   # on CPU: checks the script
+
+The JSON is rewritten after every measurement (``"complete": false`` until the end, with the
+verdict of what is measured so far), so a run stopped by a timeout still leaves its figures;
+``--budget-s`` starts no further measurement once that many seconds have passed. The headline
+shape (batch 32 × the longest context, eager then captured) and the end-to-end comparison run
+first, the rest of the grid after them. ``python scripts/gpu_report.py gpu_check.json`` renders the
+JSON as markdown tables.
 
 What it measures (issue 5's targets, Llama-3.1-8B shape in bf16):
 
@@ -36,9 +45,11 @@ import argparse
 import json
 import os
 import platform
+import signal
 import statistics
 import sys
 import time
+import traceback
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -192,59 +203,108 @@ def stock_decode_step(model, batch, context, device, repeats) -> float:
         return timed(step, repeats, device)
 
 
-def model_ratios(name, layers, batches, contexts, device, dtype, repeats, smoke) -> list[dict]:
+class Budget:
+    """Soft time budget: a measurement starts only while :meth:`allows` (``None``: no budget)."""
+
+    def __init__(self, seconds: float | None):
+        self.seconds, self.start = seconds, time.time()
+
+    def left(self) -> float:
+        return float("inf") if self.seconds is None else self.seconds - (time.time() - self.start)
+
+    def allows(self, need: float = 0.0) -> bool:
+        return self.left() > need
+
+
+def model_ratios(name, layers, units, device, dtype, repeats, smoke, *, gammas=(1, 2, 4, 6),
+                 budgets=(256, 512, 1024), graph_gammas=None, graph_budgets=None, stock_shape=None,
+                 budget: Budget | None = None, on_row=None, skipped=None) -> list[dict]:
+    """T_T, T_V(γ)/T_T and T_D(budget)/T_T for each ``(batch, context, graphs)`` of ``units``, then
+    (``stock_shape``) HF's stock decode step. ``on_row(row)`` sees each row as it is measured; units
+    the ``budget`` no longer allows are appended to ``skipped``."""
     from transformers import CompileConfig
 
     from hf_magicdec.engine.draft_weights import feasible_formats
-    from hf_magicdec.step_timing import measure_steps
 
+    from hf_magicdec.calibration import measure_steps
+
+    budget = budget or Budget(None)
+    skipped = [] if skipped is None else skipped
+    on_row = on_row or (lambda row: None)
+    rows = []
+
+    def add(row):
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+        on_row(row)
+
+    if not budget.allows():
+        skipped += [dict(model=name, batch=b, context=c, graphs=g) for b, c, g in units]
+        if stock_shape:
+            skipped.append(dict(model=name, path="stock_dynamic_cache_decode"))
+        return rows
     model = build_model(name, layers, dtype, device, smoke)
     # Draft steps also timed on the quantized twin (draft_weights=): int8 on CPU, torchao's on CUDA.
     quantized = (feasible_formats(model, device) or ("full",))[0]
     # Graphs off (eager, every operator launched from the host) and on (compile=, as generate runs
     # it: inductor + CUDA graphs on a GPU; aot_eager in the CPU smoke run, which only checks the path).
     captured = CompileConfig() if device.type == "cuda" else CompileConfig(backend="aot_eager")
-    rows = []
-    for batch in batches:
-        for context in contexts:
-            for graphs in (False, True):
-                try:
-                    st = measure_steps(model, batch, context, gammas=(1, 2, 4, 6), budgets=(256, 512, 1024),
-                                       repeats=repeats, compile_config=captured if graphs else None,
-                                       draft_weights=quantized)
-                except torch.OutOfMemoryError as exc:
-                    rows.append(dict(model=name, batch=batch, context=context, graphs=graphs, error=repr(exc)[:200]))
-                    torch.cuda.empty_cache()
-                    continue
-                row = dict(model=name, layers=layers, batch=batch, context=context, graphs=graphs,
-                           backend=kernels.check_backend(device), t_target_ms=st.t_target * 1e3,
-                           tv_over_tt={g: t / st.t_target for g, t in st.t_verify.items()},
-                           td_over_tt={k: t / st.t_target for k, t in st.t_draft.items()},
-                           draft_weights=st.draft_weights,
-                           td_quantized_over_tt={k: t / st.t_target for k, t in st.t_draft_quantized.items()})
-                rows.append(row)
-                print(json.dumps(row), flush=True)
-                if device.type == "cuda":
-                    torch.cuda.empty_cache()
+    for batch, context, graphs in units:
+        if not budget.allows():
+            skipped.append(dict(model=name, batch=batch, context=context, graphs=graphs))
+            continue
+        try:
+            st = measure_steps(model, batch, context,
+                               gammas=(graph_gammas or gammas) if graphs else gammas,
+                               budgets=(graph_budgets or budgets) if graphs else budgets,
+                               repeats=repeats, compile_config=captured if graphs else None,
+                               draft_weights=quantized)
+        except Exception as exc:  # noqa: BLE001 - one lent run: record why, measure the rest
+            add(dict(model=name, batch=batch, context=context, graphs=graphs, error=_error(exc)))
+            _free(device)
+            continue
+        add(dict(model=name, layers=layers, batch=batch, context=context, graphs=graphs,
+                 backend=kernels.check_backend(device), t_target_ms=st.t_target * 1e3,
+                 tv_over_tt={g: t / st.t_target for g, t in st.t_verify.items()},
+                 td_over_tt={k: t / st.t_target for k, t in st.t_draft.items()},
+                 draft_weights=st.draft_weights,
+                 td_quantized_over_tt={k: t / st.t_target for k, t in st.t_draft_quantized.items()}))
+        _free(device)
     # Stock decoding at the headline shape, for comparison with T_T above.
-    batch, context = (batches[0], contexts[-1]) if smoke else (32, max(contexts))
-    try:
-        rows.append(dict(model=name, path="stock_dynamic_cache_decode", batch=batch, context=context,
-                         t_target_ms=stock_decode_step(model, batch, context, device, repeats) * 1e3))
-    except torch.OutOfMemoryError as exc:
-        rows.append(dict(model=name, path="stock_dynamic_cache_decode", error=repr(exc)[:200]))
+    if stock_shape and not budget.allows():
+        skipped.append(dict(model=name, path="stock_dynamic_cache_decode"))
+    elif stock_shape:
+        batch, context = stock_shape
+        try:
+            add(dict(model=name, path="stock_dynamic_cache_decode", batch=batch, context=context,
+                     t_target_ms=stock_decode_step(model, batch, context, device, repeats) * 1e3))
+        except Exception as exc:  # noqa: BLE001
+            add(dict(model=name, path="stock_dynamic_cache_decode", batch=batch, context=context,
+                     error=_error(exc)))
     del model
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
+    _free(device)
     return rows
 
 
-def end_to_end(name, layers, batch, context, new_tokens, device, dtype, smoke) -> dict:
+def _error(exc: BaseException) -> str:
+    """What a failed measurement records (the traceback goes to the log)."""
+    traceback.print_exception(exc)
+    return repr(exc)[:300]
+
+
+def _free(device) -> None:
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def end_to_end(name, layers, batch, context, new_tokens, device, dtype, smoke, prefill_chunk=None) -> dict:
     """Decode time of MagicDec (``compile=`` as ``"auto"`` runs it on CUDA) against stock
     ``generate(cache_implementation="static")`` (which transformers compiles itself on CUDA), same
     random prompts, same run, after one warm-up call each that pays the compilation. Decode is
     timed directly, from the first generated token to the end of ``generate``, by a streamer that
-    both methods feed (one host copy of the new tokens per step, for both)."""
+    both methods feed (one host copy of the new tokens per step, for both). Both prefill in chunks of
+    ``prefill_chunk`` tokens (``generation_config.prefill_chunk_size``): in one piece, stock's
+    prefill at 32 × 32K would need ~90 GB of MLP activations and a 34 GB mask beside its cache."""
     from transformers.generation.streamers import BaseStreamer
 
     import hf_magicdec  # noqa: F401  (the speculative= routing)
@@ -264,14 +324,16 @@ def end_to_end(name, layers, batch, context, new_tokens, device, dtype, smoke) -
     model = build_model(name, layers, dtype, device, smoke)
     g = torch.Generator(device="cpu").manual_seed(0)
     ids = torch.randint(0, model.config.vocab_size, (batch, context), generator=g).to(device)
-    common = dict(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=False, pad_token_id=0)
+    common = dict(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=False, pad_token_id=0,
+                  prefill_chunk_size=prefill_chunk)
     methods = {
         "stock_static": dict(cache_implementation="static"),
         "magicdec": dict(speculative="magicdec", draft="snapkv", draft_budget=512, gamma=3,
                          compile=device.type == "cuda", draft_weights="full"),
     }
 
-    row = dict(model=name, layers=layers, batch=batch, context=context, new_tokens=new_tokens)
+    row = dict(model=name, layers=layers, batch=batch, context=context, new_tokens=new_tokens,
+               prefill_chunk=prefill_chunk)
     outputs = {}
     for method, kwargs in methods.items():
         model.generate(**common, **kwargs, max_new_tokens=4, min_new_tokens=4)  # warm-up: compilation, allocator
@@ -287,6 +349,40 @@ def end_to_end(name, layers, batch, context, new_tokens, device, dtype, smoke) -
     return row
 
 
+def verdict(report: dict) -> dict:
+    """The headline figures against :data:`TARGETS`, from whatever ``report`` holds so far."""
+    def headline(graphs: bool):
+        return next((r for r in report.get("model", []) if r.get("model") == "llama-3.1-8b" and r.get("batch") == 32
+                     and r.get("context") == 32768 and r.get("graphs") is graphs and "tv_over_tt" in r), None)
+
+    eager, captured = headline(False), headline(True)
+    verify = next((r for r in report.get("kernel", []) if r.get("path") == "triton" and r.get("q") == 5), None)
+    e2e = report.get("end_to_end") or {}
+    correctness = report.get("correctness")
+    return dict(
+        correctness=bool(correctness) and all(r["ok"] for r in correctness),
+        verify_bandwidth_fraction=verify and verify.get("fraction_of_copy"),
+        tv4_over_tt=eager and eager["tv_over_tt"].get(4),
+        td512_over_tt=eager and eager["td_over_tt"].get(512),
+        graphs_tv4_over_tt=captured and captured["tv_over_tt"].get(4),
+        graphs_td512_over_tt=captured and captured["td_over_tt"].get(512),
+        graphs_td512_quantized_over_tt=captured and captured["td_quantized_over_tt"].get(512),
+        quantized_draft_weights=captured and captured["draft_weights"],
+        end_to_end_speedup=e2e.get("speedup_vs_compiled_static"),
+        end_to_end_identical=e2e.get("identical"),
+    )
+
+
+def save(report: dict, path: Path, t0: float, complete: bool = False, status: str = "running") -> None:
+    """Write ``report`` (with its verdict so far) to ``path`` atomically: a reader, or a run stopped
+    midway, only ever sees a whole JSON file."""
+    report.update(complete=complete, status=status, seconds=time.time() - t0, verdict=verdict(report))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(report, indent=1, default=str))
+    os.replace(tmp, path)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "gpu_check.json"))
@@ -296,8 +392,20 @@ def main(argv=None) -> int:
     parser.add_argument("--contexts", type=int, nargs="+", default=[8192, 32768])
     parser.add_argument("--models", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
     parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--gammas", type=int, nargs="+", default=[1, 2, 4, 6], help="γ of the timed verifications")
+    parser.add_argument("--budgets", type=int, nargs="+", default=[256, 512, 1024], help="draft budgets timed")
+    parser.add_argument("--graph-gammas", type=int, nargs="+", default=None,
+                        help="γ timed with the steps captured (default: --gammas); each is one more compilation")
+    parser.add_argument("--graph-budgets", type=int, nargs="+", default=None,
+                        help="draft budgets timed with the steps captured (default: --budgets)")
     parser.add_argument("--e2e", type=int, nargs=3, default=[32, 32768, 128], metavar=("BATCH", "CONTEXT", "NEW"),
                         help="end-to-end decode vs compiled stock static cache (llama-3.1-8b shape)")
+    parser.add_argument("--no-e2e", action="store_true", help="skip the end-to-end comparison")
+    parser.add_argument("--prefill-chunk", type=int, default=1024,
+                        help="prompt tokens per prefill forward in the end-to-end comparison, both methods")
+    parser.add_argument("--budget-s", type=float, default=None,
+                        help="start no measurement after this many seconds (the JSON keeps what was measured); "
+                             "the end-to-end comparison starts only with 90 s of it left")
     args = parser.parse_args(argv)
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -305,57 +413,80 @@ def main(argv=None) -> int:
         parser.error("no GPU: run with --smoke (and TRITON_INTERPRET=1) to check the script on CPU")
     if args.smoke:
         args.layers, args.batches, args.contexts, args.repeats, args.e2e = 1, [2], [256], 2, [2, 256, 8]
+        args.prefill_chunk = 96  # several chunks, an uneven last one
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     import transformers
     import triton
 
+    out = Path(args.out)
+    budget = Budget(args.budget_s)
     report = dict(
         device=torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
         torch=torch.__version__, triton=triton.__version__, transformers=transformers.__version__,
         smoke=args.smoke, targets=TARGETS, started=time.strftime("%Y-%m-%d %H:%M:%S"),
+        options={k: v for k, v in vars(args).items() if k != "out"}, skipped=[],
     )
     t0 = time.time()
+
+    def on_term(signum, frame):  # `timeout` sends SIGTERM: keep what was measured, say so
+        save(report, out, t0, status=f"stopped by signal {signum}")
+        print(f"stopped by signal {signum}; wrote {out}", flush=True)
+        os._exit(124)
+
+    signal.signal(signal.SIGTERM, on_term)
+    save(report, out, t0)
     report["copy_gb_per_s"] = copy_bandwidth(device, (1 << 20) if args.smoke else (4 << 30), args.repeats)
     print(f"copy bandwidth {report['copy_gb_per_s']:.0f} GB/s", flush=True)
     report["correctness"] = check_correctness(device, args.smoke)
     print(f"correctness: {sum(r['ok'] for r in report['correctness'])}/{len(report['correctness'])} ok", flush=True)
+    save(report, out, t0)
     shape = (2, 256, 2, 4, 64) if args.smoke else (32, 32768, 8, 4, 128)  # batch, context, Hkv, g, D
     report["kernel"] = kernel_timings(device, *shape, dtype, report["copy_gb_per_s"], args.repeats)
     for row in report["kernel"]:
         print(json.dumps(row), flush=True)
     report["model"] = []
-    for name in args.models:
-        report["model"] += model_ratios(name, args.layers, args.batches, args.contexts, device, dtype,
-                                        args.repeats, args.smoke)
-    try:
-        report["end_to_end"] = end_to_end("llama-3.1-8b", args.layers, *args.e2e, device, dtype, args.smoke)
-    except torch.OutOfMemoryError as exc:
-        report["end_to_end"] = dict(error=repr(exc)[:200])
+    save(report, out, t0)
+
+    # Headline shape first (batch 32, or the first batch, at the longest context; eager, then
+    # captured), HF's stock step there, the end-to-end comparison, then the rest of the grid.
+    head = (32 if 32 in args.batches else args.batches[0], max(args.contexts))
+    grid = [(b, c) for b in args.batches for c in args.contexts]
+    common = dict(gammas=tuple(args.gammas), budgets=tuple(args.budgets),
+                  graph_gammas=args.graph_gammas and tuple(args.graph_gammas),
+                  graph_budgets=args.graph_budgets and tuple(args.graph_budgets),
+                  budget=budget, skipped=report["skipped"],
+                  on_row=lambda row: (report["model"].append(row), save(report, out, t0)))
+    stock = (args.batches[0], args.contexts[-1]) if args.smoke else (32, max(args.contexts))
+    first, *others = args.models
+    model_ratios(first, args.layers, [(*head, False), (*head, True)], device, dtype, args.repeats, args.smoke,
+                 stock_shape=stock, **common)
+    if args.no_e2e:
+        report["end_to_end"] = dict(skipped="--no-e2e")
+    elif not budget.allows(90):
+        report["end_to_end"] = dict(skipped=f"time budget ({budget.left():.0f} s left of {args.budget_s:.0f})")
+    else:
+        try:
+            report["end_to_end"] = end_to_end("llama-3.1-8b", args.layers, *args.e2e, device, dtype, args.smoke,
+                                              args.prefill_chunk)
+        except Exception as exc:  # noqa: BLE001 - out of memory, a compile failure: record it
+            report["end_to_end"] = dict(error=_error(exc))
+        _free(device)
     print(json.dumps(report["end_to_end"]), flush=True)
+    save(report, out, t0)
+    rest = [(b, c, g) for b, c in grid if (b, c) != head for g in (False, True)]
+    if rest:
+        model_ratios(first, args.layers, rest, device, dtype, args.repeats, args.smoke, **common)
+    for name in others:
+        model_ratios(name, args.layers, [(b, c, g) for b, c in grid for g in (False, True)], device, dtype,
+                     args.repeats, args.smoke, stock_shape=stock, **common)
 
-    def headline(graphs: bool):
-        return next((r for r in report["model"] if r.get("model") == "llama-3.1-8b" and r.get("batch") == 32
-                     and r.get("context") == 32768 and r.get("graphs") is graphs and "tv_over_tt" in r), None)
-
-    eager, captured = headline(False), headline(True)
-    verify = next((r for r in report["kernel"] if r.get("path") == "triton" and r.get("q") == 5), None)
-    report["verdict"] = dict(
-        correctness=all(r["ok"] for r in report["correctness"]),
-        verify_bandwidth_fraction=verify and verify.get("fraction_of_copy"),
-        tv4_over_tt=eager and eager["tv_over_tt"][4],
-        td512_over_tt=eager and eager["td_over_tt"][512],
-        graphs_tv4_over_tt=captured and captured["tv_over_tt"][4],
-        graphs_td512_over_tt=captured and captured["td_over_tt"][512],
-        graphs_td512_quantized_over_tt=captured and captured["td_quantized_over_tt"].get(512),
-        quantized_draft_weights=captured and captured["draft_weights"],
-        end_to_end_speedup=report["end_to_end"].get("speedup_vs_compiled_static"),
-        end_to_end_identical=report["end_to_end"].get("identical"),
-    )
-    report["seconds"] = time.time() - t0
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(report, indent=1, default=str))
-    print(json.dumps(report["verdict"]), f"wrote {args.out} in {report['seconds']:.0f} s", sep="\n")
-    return 0 if report["verdict"]["correctness"] else 1
+    errors = [r for r in report["model"] if "error" in r] + ([report["end_to_end"]] if "error" in report["end_to_end"]
+                                                             else [])
+    status = "done" + (f", {len(report['skipped'])} measurement(s) skipped for time" if report["skipped"] else "") + (
+        f", {len(errors)} failed" if errors else "")
+    save(report, out, t0, complete=True, status=status)
+    print(json.dumps(report["verdict"]), f"{status}; wrote {args.out} in {report['seconds']:.0f} s", sep="\n")
+    return 0 if report["verdict"]["correctness"] and not errors else 1
 
 
 if __name__ == "__main__":

@@ -20,7 +20,6 @@ instead, the reason logged once on the ``hf_magicdec`` logger: never an error mi
 
 from __future__ import annotations
 
-import functools
 import importlib.util
 import logging
 import os
@@ -52,10 +51,13 @@ def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
-@functools.cache
+# Looked up once, at import: the dispatch runs in every attention call (find_spec searches
+# sys.path), and inside compiled steps, where torch 2.11 refuses to trace find_spec or a cached call.
+_TRITON_INSTALLED = importlib.util.find_spec("triton") is not None
+
+
 def triton_available() -> bool:
-    # Once per process: the dispatch runs in every attention call, and find_spec searches sys.path.
-    return importlib.util.find_spec("triton") is not None
+    return _TRITON_INSTALLED
 
 
 def check_backend(device: torch.device) -> str:

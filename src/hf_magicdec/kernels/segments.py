@@ -64,6 +64,8 @@ class Segments:
 
     def built(self, mask: torch.Tensor) -> bool:
         """Whether ``mask`` is (a slice of) a mask :meth:`mask` built for this forward."""
+        if torch.compiler.is_compiling():  # torch < 2.13 cannot trace data_ptr() comparisons
+            return mask.dtype == torch.bool and any(mask is m for m in self._masks.values())
         return mask.dtype == torch.bool and any(mask.data_ptr() == m.data_ptr() for m in self._masks.values())
 
     def mask(self, q_len: int, kv_len: int) -> torch.Tensor:
