@@ -11,6 +11,7 @@ import torch
 from hf_magicdec_bench.bench import BenchSpec
 from hf_magicdec_bench.bench.cli import main as bench_main
 from hf_magicdec_bench.bench.harness import Clock, measure
+from hf_magicdec_bench.bench.runner import draft_name
 
 
 @pytest.mark.parametrize(
@@ -38,7 +39,7 @@ def test_bad_arguments_fail_before_loading(monkeypatch, capsys, argv, fragment):
 def test_budgets_that_hold_the_whole_prompt_are_skipped():
     spec = BenchSpec(budgets=(64, 512), drafts=("streamingllm", "full"), gammas=(2,))
     configs = spec.configs(256)
-    assert [(c.draft, c.draft_budget) for c in configs] == [("streamingllm", 64), ("full", 64), ("full", 512)]
+    assert [(draft_name(c), c.draft_budget) for c in configs] == [("streamingllm", 64), ("full", 64), ("full", 512)]
 
 
 def test_clock_splits_prefill_from_decode():

@@ -28,7 +28,7 @@ from tqdm.auto import tqdm
 from .. import data
 from .harness import environment
 from .report import acceptance_plot
-from .runner import load_model, resolve_device
+from .runner import draft_name, load_model, resolve_device
 
 log = logging.getLogger("hf_magicdec")
 
@@ -63,7 +63,8 @@ def main(argv: list[str] | None = None) -> int:
     if any(c < 2 for c in args.contexts):
         ap.error(f"--contexts must be >= 2, got {args.contexts}")
     try:
-        grid = [MagicDecConfig(draft=d, draft_budget=b, gamma=args.gamma) for d in args.drafts for b in args.budgets]
+        grid = [MagicDecConfig.from_any(draft=d, draft_budget=b, gamma=args.gamma)
+                for d in args.drafts for b in args.budgets]
     except ValueError as exc:
         ap.error(str(exc))
     rows = sweep(args, grid)
@@ -79,7 +80,7 @@ def sweep(args, grid) -> list[dict]:
     # Views that record prefill queries (SnapKV) first: their prefill then serves every view, while
     # a StreamingLLM-first order would make SnapKV prefill again.
     grid = sorted(grid, key=lambda cfg: -cfg.view.observation_window())
-    runs = [(c, cfg) for c in args.contexts for cfg in grid if cfg.draft == "full" or cfg.draft_budget < c]
+    runs = [(c, cfg) for c in args.contexts for cfg in grid if draft_name(cfg) == "full" or cfg.draft_budget < c]
     bar = tqdm(total=len(runs) + len(args.contexts), desc="acceptance", unit="run")
     rows = []
     common = dict(max_new_tokens=args.new_tokens, do_sample=False, eos_token_id=None,
@@ -95,19 +96,20 @@ def sweep(args, grid) -> list[dict]:
                 for ctx, cfg in runs:
                     if ctx != context:
                         continue
-                    bar.set_postfix_str(f"S={context} {cfg.draft}/{cfg.draft_budget}")
+                    bar.set_postfix_str(f"S={context} {draft_name(cfg)}/{cfg.draft_budget}")
                     out = model.generate(input_ids=ids, attention_mask=mask, speculative=cfg,
                                          return_dict_in_generate=True, **common)
                     s = out.speculation
                     rows.append({
                         "model": args.model, "dtype": args.dtype, "batch": args.batch, "context": context,
-                        "new_tokens": args.new_tokens, "draft": cfg.draft, "budget": cfg.draft_budget,
+                        "new_tokens": args.new_tokens, "draft": draft_name(cfg), "budget": cfg.draft_budget,
                         "gamma": cfg.gamma, "acceptance_rate": s.acceptance_rate,
                         "tokens_per_step": s.tokens_per_step, "accepted_histogram": s.histogram(),
                         "identical": bool(torch.equal(out.sequences, reference)), "text": args.text, "env": env,
                     })
                     if not rows[-1]["identical"]:
-                        log.error("%s/%d at %d: output differs from generate", cfg.draft, cfg.draft_budget, context)
+                        log.error("%s/%d at %d: output differs from generate", draft_name(cfg), cfg.draft_budget,
+                                  context)
                     bar.update(1)
     bar.close()
     return rows

@@ -6,6 +6,11 @@ Example (the issue's CPU target; about 10 minutes on 2 cores)::
 
     hf-magicdec bench --batch 8 --context 4096 --new-tokens 128 --draft streamingllm snapkv --budget 256 --gamma 3
 
+On a machine that may be busy, ``--rounds 3`` (one prefill per point, every method decoded once per
+round in a rotated order, median and spread per method, a warning when the spread is large)::
+
+    hf-magicdec bench --batch 8 --context 2048 --new-tokens 32 --rounds 3 --static-baseline --default-plan
+
 Writes ``<out>/results.jsonl`` (one row per run, with environment metadata) and PNG plots, and
 prints a table. Exit status 1 if any speculative output differed from stock ``generate``.
 """
@@ -23,7 +28,7 @@ import torch
 
 from ..ruler import RULER_TASKS, task_names
 from .harness import environment
-from .report import breakdown_table, plots, table, write_jsonl
+from .report import breakdown_table, plots, rounds_notes, table, write_jsonl
 from .reuse import run_reuse_and_report
 from .ruler_mode import ruler_table, run_ruler
 from .runner import BenchSpec, resolve_device, run
@@ -54,9 +59,19 @@ def build_parser(prog: str = "hf-magicdec bench") -> argparse.ArgumentParser:
     ap.add_argument("--gamma", type=_int_or_auto, nargs="+", default=[3],
                     help="draft tokens per step, or auto (planner's choice, adapted per step)")
     ap.add_argument("--draft-weights", nargs="+", default=["full"], choices=["full", "int8", "fp16", "int4", "auto"],
-                    help="the self-draft's weights: full, int8 / fp16 / int4 (compressed copies of the linear layers), auto")
-    ap.add_argument("--text", default="auto", help="auto | shakespeare | pg19 | files:<glob> (see hf_magicdec_bench.data)")
+                    help="the self-draft's weights: full, int8 / fp16 / int4 (compressed copies of the linear "
+                         "layers), auto")
+    ap.add_argument("--text", default="auto",
+                    help="auto | shakespeare | pg19 | files:<glob> (see hf_magicdec_bench.data)")
     ap.add_argument("--repeats", type=int, default=1, help="timed runs per method (median reported)")
+    ap.add_argument("--rounds", type=int, default=None, metavar="N",
+                    help="the rounds timing protocol (docs/benchmarks.md): one prefill per point shared by every "
+                         "round, then N rounds that decode every method once each, the order rotated per round; "
+                         "median decode, spread and a warning when the machine looked busy (default: off, "
+                         "methods run one after another)")
+    ap.add_argument("--default-plan", action="store_true",
+                    help='also run speculative="magicdec" with nothing else set (the planner chooses view, '
+                         "budget, gamma and draft weights, or plain decoding); the table shows what it chose")
     ap.add_argument("--no-warmup", action="store_true", help="skip the short discarded warm-up run per method")
     ap.add_argument("--no-own-ar", action="store_true", help="skip our own autoregressive path (gamma=0)")
     ap.add_argument("--static-baseline", action="store_true",
@@ -71,7 +86,7 @@ def build_parser(prog: str = "hf-magicdec bench") -> argparse.ArgumentParser:
                     help="view(s) compressing the draft model's cache: full streamingllm snapkv (budgets: --budget)")
     ap.add_argument("--share-prefill", action="store_true",
                     help="prefill once per point for every MagicDec run (decode times unchanged; their prefill "
-                         "times are then not measured): long contexts on slow devices")
+                         "times are then not measured): long contexts on slow devices (always on with --rounds)")
     ap.add_argument("--prefill-chunk", type=int, default=None,
                     help="prefill chunk size for every method (default: stock prefills at once, MagicDec in 1024s)")
     ap.add_argument("--ruler", nargs="+", default=None, metavar="TASK",
@@ -105,9 +120,12 @@ def main(argv: list[str] | None = None, prog: str = "hf-magicdec bench") -> int:
             stop_at_eos=args.stop_at_eos,
             assistant=args.assistant, prefill_chunk=args.prefill_chunk, draft_model=args.draft_model,
             draft_model_views=tuple(args.draft_model_view), share_prefill=args.share_prefill,
+            default_plan=args.default_plan, rounds=args.rounds,
         )
     except ValueError as exc:
         ap.error(str(exc))
+    if args.rounds is not None and (args.ruler or args.reuse_prefix is not None):
+        ap.error("--rounds times the book-text comparison; it does not apply to --ruler or --reuse-prefix")
     tasks = None
     if args.ruler:
         tasks = list(RULER_TASKS) if args.ruler == ["all"] else args.ruler
@@ -157,10 +175,14 @@ def run_and_report(spec, out: Path, progress: bool = True, title_prefix: str = "
 
     results, env, _ = run(spec, progress=progress, on_result=on_result, env=env)
     title = (f"{title_prefix}{spec.model} {spec.dtype} on {env['device']}, {spec.new_tokens} new tokens, greedy"
-             f"{'' if spec.stop_at_eos else ', EOS ignored'}")
+             f"{'' if spec.stop_at_eos else ', EOS ignored'}"
+             f"{f', {spec.rounds} rounds' if spec.rounds is not None else ''}")
     print()
     print(title)
     print(table(results))
+    notes = rounds_notes(results) if spec.rounds is not None else ""
+    if notes:
+        print(notes)
     extra = breakdown_table(results)
     if extra:
         print()

@@ -41,9 +41,10 @@ class PrefillProgress:
 
     Until the first model forward it watches every module call (a global forward pre-hook) for the
     outermost ``PreTrainedModel``, then counts that model's decoder layers finishing: each one adds
-    ``rows x chunk tokens / layers`` to the bar (whose total is all rows' prompt tokens), so a prompt prefilled at once (stock ``generate``) and one
-    prefilled in chunks (MagicDec) both move it layer by layer. :meth:`close` removes every hook and
-    hands the bar back as it was (description, total, unit) for the decode.
+    ``rows x chunk tokens / layers`` to the bar (whose total is all rows' prompt tokens), so a prompt
+    prefilled at once (stock ``generate``) and one prefilled in chunks (MagicDec) both move it layer by
+    layer. :meth:`close` removes every hook and hands the bar back as it was (description, total,
+    unit) for the decode.
     """
 
     def __init__(self, bar, prompt_tokens: int):
@@ -300,4 +301,6 @@ def environment(device: torch.device) -> dict:
         "python": sys.version.split()[0],
         "platform": platform.platform(),
         "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        # 1, 5 and 15-minute load averages when the run started: a busy machine shows here
+        "loadavg": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
     }

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 from collections import defaultdict
 from pathlib import Path
 
@@ -21,21 +22,82 @@ def _label_width(results) -> int:
 
 
 def table(results: list[Result]) -> str:
-    """The main table: one line per method and (batch, context) point."""
+    """The main table: one line per method and (batch, context) point.
+
+    ``plan``: what each MagicDec row ran (draft view/budget, γ or mean γ when adaptive, draft
+    weights; ``plain (declined)`` when the planner chose plain decoding). With the rounds protocol
+    the prefill column is each round's time to the first token (the shared prefill's copy, the
+    draft view's construction) and ``spread`` the decode's (max - min) / median over the rounds;
+    ``vs static`` appears when the static-cache baseline ran.
+    """
     w = _label_width(results)
-    head = (f"{'B':>3} {'ctx':>6}  {'method':<{w}}{'prefill s':>10}{'decode s':>10}{'tok/s':>9}{'ms/tok':>8}"
-            f"{'vs stock':>9}{'vs AR':>7}{'accept':>8}{'tok/step':>9}{'peak MB':>9}{'GB/s':>7}  identical")
+    rounds = any("decode_spread" in r.extra for r in results)
+    static = any(r.speedup_vs_static is not None for r in results)
+    plans = [r.to_dict().get("plan_label") or "-" for r in results]
+    pw = max([6, *(len(p) + 2 for p in plans)])
+    head = (f"{'B':>3} {'ctx':>6}  {'method':<{w}}{'plan':<{pw}}{'1st tok s' if rounds else 'prefill s':>10}"
+            f"{'decode s':>10}{format('spread', '>8') if rounds else ''}{'tok/s':>9}{'ms/tok':>8}{'vs stock':>9}"
+            f"{format('vs static', '>10') if static else ''}{'vs AR':>7}{'accept':>8}{'tok/step':>9}{'peak MB':>9}"
+            f"{'GB/s':>7}  identical")
     lines = [head, "-" * len(head)]
-    for r in results:
+    for r, plan in zip(results, plans):
         d = r.to_dict()
         ident = "(baseline)" if r.identical is None else ("yes" if r.identical else "NO")
+        spread = f"{_fmt(100 * r.extra['decode_spread'] if 'decode_spread' in r.extra else None, '.0f', '%'):>8}"
         lines.append(
-            f"{r.batch:>3} {r.context:>6}  {r.label:<{w}}{r.m.prefill_s:>10.2f}{r.m.decode_s:>10.2f}"
+            f"{r.batch:>3} {r.context:>6}  {r.label:<{w}}{plan:<{pw}}{r.m.prefill_s:>10.2f}{r.m.decode_s:>10.2f}"
+            f"{spread if rounds else ''}"
             f"{r.decode_tok_per_s:>9.1f}{r.ms_per_token:>8.1f}{_fmt(r.speedup_vs_stock, '.2f', 'x'):>9}"
+            f"{format(_fmt(r.speedup_vs_static, '.2f', 'x'), '>10') if static else ''}"
             f"{_fmt(r.speedup_vs_ar, '.2f', 'x'):>7}{_fmt(d.get('acceptance_rate'), '.3f'):>8}"
             f"{_fmt(d.get('tokens_per_step'), '.2f'):>9}{_fmt(d['peak_memory_mb'], '.0f'):>9}"
             f"{_fmt(r.gb_per_s, '.1f'):>7}  {ident}"
         )
+    return "\n".join(lines)
+
+
+def rounds_notes(results: list[Result], threshold: float | None = None) -> str:
+    """What the rounds protocol's table needs said under it: the prefills (once per point), how the
+    rounds ran, plans that changed between rounds, and the busy-machine WARNING when it applies."""
+    from .rounds import BUSY_SPREAD, busy_warning
+
+    rows = [r for r in results if "decode_spread" in r.extra]
+    if not rows:
+        return ""
+    lines = []
+    for b, c in sorted({(r.batch, r.context) for r in rows}):
+        point = [r for r in rows if (r.batch, r.context) == (b, c)]
+        stock = next((r for r in point if r.method == "stock"), None)
+        shared = next((r.extra.get("shared_prefill_s") for r in point if r.extra.get("shared_prefill_s")), None)
+        parts = []
+        if stock is not None and "reference_prefill_s" in stock.extra:
+            parts.append(f"stock generate {stock.extra['reference_prefill_s']:.2f} s (from scratch, also the token "
+                         f"reference; decode {stock.extra['reference_decode_s']:.2f} s, not counted)")
+        if shared is not None:
+            parts.append(f"MagicDec {shared:.2f} s (chunked, shared by own AR and every MagicDec row)")
+        lines.append(f"prefill, once for B={b} S={c}: " + "; ".join(parts))
+    n = max(r.extra["rounds"] for r in rows)
+    lines.append(f"{n} round(s), order rotated each round; decode s = median over the rounds, spread = (max - min) / "
+                 "median; speedups from the medians. Stock and static cache continue from copies of the reference's "
+                 "prompt cache, own AR and MagicDec from the shared prefill ('1st tok s': each round's copy, last "
+                 "prompt token and draft-view construction).")
+    for r in rows:
+        plans = r.extra.get("round_plans") or []
+        if len(set(plans)) > 1:
+            lines.append(f"note: {r.label} ran different plans in different rounds: {', '.join(plans)}")
+        passed = r.extra.get("round_cache_passed") or []
+        if any(passed):
+            lines.append(f"note: {r.label}: after the planner declined, the next round continued from a copy of "
+                         "stock's prompt cache (as stock does)")
+            if any(p and plan != "plain (declined)" for p, plan in zip(passed, plans)):
+                lines.append(f"note: {r.label} speculated in a round that continued from stock's cache: that "
+                             "round's decode includes handing the cache back")
+    if n < 2:
+        lines.append("one round: no spread to judge the machine by (--rounds 3 or more for that)")
+    load = os.getloadavg() if hasattr(os, "getloadavg") else None
+    warning = busy_warning(rows, BUSY_SPREAD if threshold is None else threshold, load)
+    if warning:
+        lines.append(warning)
     return "\n".join(lines)
 
 
@@ -82,7 +144,8 @@ def _pyplot():
 def plots(results: list[Result], out: Path, title: str) -> list[Path]:
     """Write the plots the grid supports; returns their paths.
 
-    - ``throughput.png``: decode tokens/s per method at each (batch, context) point;
+    - ``throughput.png``: decode tokens/s per method at each (batch, context) point (with the
+      rounds protocol: the median as the bar, each round as a dot, the range as an error bar);
     - ``speedup_vs_batch.png`` / ``speedup_vs_context.png`` when the grid varies that axis;
     - ``acceptance_vs_budget.png`` per draft view when several budgets ran.
     """
@@ -99,17 +162,32 @@ def plots(results: list[Result], out: Path, title: str) -> list[Path]:
         rows = [r for r in results if (r.batch, r.context) == (b, c) and r.method in shown]
         values = [r.decode_tok_per_s for r in rows]
         colors = ["#888" if r.method.startswith("stock") else "#58a" if r.method == "own-ar" else "#2a7" for r in rows]
-        bars = ax.barh([r.label for r in rows], values, color=colors)
+        names = [r.label + (f": {r.to_dict()['plan_label']}" if r.config is not None and r.config.planner_may_decline
+                            else "") for r in rows]  # the default plan: what the planner chose
+        bars = ax.barh(names, values, color=colors)
+        for y, r in enumerate(rows):  # rounds protocol: every round's throughput, and its range
+            per_round = [r.decode_tokens / d for d in r.m.decode_all if d > 0]
+            if len(per_round) > 1 and "decode_spread" in r.extra:
+                ax.errorbar([r.decode_tok_per_s], [y], xerr=[[r.decode_tok_per_s - min(per_round)],
+                                                            [max(per_round) - r.decode_tok_per_s]],
+                            fmt="none", ecolor="#333", elinewidth=0.8, capsize=2)
+                ax.plot(per_round, [y] * len(per_round), "o", color="#333", ms=2.5)
         for bar, r in zip(bars, rows):
             note = f"  {r.decode_tok_per_s:.1f} tok/s"
+            if "decode_spread" in r.extra and len(r.m.decode_all) > 1:
+                note += f"  (spread {100 * r.extra['decode_spread']:.0f}%)"
             if r.method != "stock" and r.speedup_vs_stock is not None:
                 note += f"  {r.speedup_vs_stock:.2f}x" + ("" if r.identical else "  NOT IDENTICAL")
-            ax.text(bar.get_width(), bar.get_y() + bar.get_height() / 2, note, va="center", fontsize=7)
+            right = max([bar.get_width(), *(r.decode_tokens / d for d in r.m.decode_all if d > 0)])
+            ax.text(right, bar.get_y() + bar.get_height() / 2, note, va="center", fontsize=7)
         ax.invert_yaxis()
-        ax.set_xlim(0, max(values) * 1.5)
+        top = max([*values, *(r.decode_tokens / d for r in rows for d in r.m.decode_all if d > 0)])
+        ax.set_xlim(0, top * 1.6)
         ax.set_title(f"batch {b}, context {c}", fontsize=8)
         ax.tick_params(labelsize=7)
-    axes[-1, 0].set_xlabel("decode throughput (generated tokens / s)")
+    rounds = any("decode_spread" in r.extra for r in results)
+    axes[-1, 0].set_xlabel("decode throughput (generated tokens / s)"
+                           + ("; bar: median over the rounds, dots: each round" if rounds else ""), fontsize=8)
     fig.suptitle(title, fontsize=8)
     fig.tight_layout()
     written.append(out / "throughput.png")

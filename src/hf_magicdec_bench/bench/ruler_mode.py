@@ -20,7 +20,7 @@ from tqdm.auto import tqdm
 
 from .. import ruler
 from .harness import environment, measure
-from .runner import load_model, resolve_device
+from .runner import draft_name, load_model, resolve_device
 
 log = logging.getLogger("hf_magicdec")
 
@@ -30,7 +30,7 @@ def run_ruler(spec, tasks: list[str], num_samples: int, seed: int = 0, progress:
     device = resolve_device(spec.device)
     model, tokenizer = load_model(spec.model, spec.dtype, device)
     env = environment(device)
-    methods = [None] + [MagicDecConfig(draft=d, draft_budget=b, gamma=g)
+    methods = [None] + [MagicDecConfig.from_any(draft=d, draft_budget=b, gamma=g)
                         for d in spec.drafts for b in spec.budgets for g in spec.gammas]
     bar = tqdm(total=len(tasks) * len(spec.contexts) * len(methods), desc="ruler", unit="run", disable=not progress)
     rows = []
@@ -46,11 +46,11 @@ def run_ruler(spec, tasks: list[str], num_samples: int, seed: int = 0, progress:
                 prompt = enc["input_ids"].shape[1]
                 baseline = None
                 for cfg in methods:
-                    if cfg is not None and cfg.draft != "full" and cfg.draft_budget >= prompt:
+                    if cfg is not None and draft_name(cfg) != "full" and cfg.draft_budget >= prompt:
                         bar.update(1)
                         continue
                     label = ("stock generate" if cfg is None
-                             else f"magicdec {cfg.draft}/{cfg.draft_budget} γ={cfg.gamma}")
+                             else f"magicdec {draft_name(cfg)}/{cfg.draft_budget} γ={cfg.gamma}")
                     bar.set_postfix_str(f"{task} S={context} {label}")
                     extra = {} if cfg is None else {"speculative": cfg, "return_dict_in_generate": True}
                     bar_factory = ((lambda label=label: tqdm(total=new_tokens, desc=f"  {label}", unit="tok",

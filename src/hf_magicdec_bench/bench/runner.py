@@ -64,6 +64,11 @@ class BenchSpec:
     # times are unchanged, their prefill times are then not measured (long contexts on CPU).
     share_prefill: bool = False
     prefill_chunk: int | None = None  # passed to every method as generation_config.prefill_chunk_size
+    # Also run ``speculative="magicdec"`` with nothing else set (the planner chooses everything).
+    default_plan: bool = False
+    # The rounds protocol (:mod:`.rounds`): every method decodes once per round on the same
+    # prompts, the order rotated each round, from one prefill per point; None: the sequential one.
+    rounds: int | None = None
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -79,11 +84,19 @@ class BenchSpec:
             raise ValueError(f"prefill_chunk must be >= 1, got {self.prefill_chunk=}")
         if self.repeats < 1:
             raise ValueError(f"repeats must be >= 1, got {self.repeats=}")
+        if self.rounds is not None:
+            if self.rounds < 1:
+                raise ValueError(f"rounds must be >= 1, got {self.rounds=}")
+            if self.repeats != 1:
+                raise ValueError("rounds and repeats are two timing protocols: use one of them "
+                                 f"(got {self.rounds=} and {self.repeats=})")
+            if self.assistant:
+                raise ValueError("rounds does not run HF assisted generation (assistant): drop one of them")
         for draft in (*self.drafts, *(self.draft_model_views if self.draft_model else ())):
             for budget in self.budgets:
                 for gamma in self.gammas:
                     for weights in self.draft_weights:  # names the bad value
-                        MagicDecConfig(draft=draft, draft_budget=budget, gamma=gamma, draft_weights=weights)
+                        MagicDecConfig.from_any(draft=draft, draft_budget=budget, gamma=gamma, draft_weights=weights)
 
     def draft_model_configs(self, context: int) -> list[MagicDecConfig]:
         """Configurations run with the separate draft model (its full view: one budget suffices)."""
@@ -92,7 +105,7 @@ class BenchSpec:
         out = []
         for view in self.draft_model_views:
             budgets = self.budgets[:1] if view == "full" else [k for k in self.budgets if k == AUTO or k < context]
-            out.extend(MagicDecConfig(draft=view, draft_budget=k, gamma=g, draft_weights="full")
+            out.extend(MagicDecConfig.from_any(draft=view, draft_budget=k, gamma=g, draft_weights="full")
                        for k in budgets for g in self.gammas)
         return out
 
@@ -105,9 +118,56 @@ class BenchSpec:
                     log.warning("skipping %s budget %d at context %d: the view would hold the whole prompt",
                                 draft, budget, context)
                     continue
-                out.extend(MagicDecConfig(draft=draft, draft_budget=budget, gamma=g, draft_weights=w)
+                out.extend(MagicDecConfig.from_any(draft=draft, draft_budget=budget, gamma=g, draft_weights=w)
                            for w in self.draft_weights for g in self.gammas)
+        if self.default_plan:
+            out.append(MagicDecConfig())  # every field "auto": what speculative="magicdec" alone runs
         return out
+
+
+def magicdec_label(cfg: MagicDecConfig) -> str:
+    """The table's name of a self-speculative configuration (what was asked, not what the planner chose)."""
+    if cfg == MagicDecConfig():
+        return "magicdec default plan"
+    label = f"magicdec {draft_name(cfg)}/{cfg.draft_budget} γ={cfg.gamma}".replace("auto/auto", "auto")
+    return label + (f" {cfg.draft_weights}" if cfg.draft_weights != "full" else "")
+
+
+def draft_name(cfg: MagicDecConfig) -> str:
+    """The draft view's name, or ``"auto"`` (``draft`` may hold the name or the view instance)."""
+    return getattr(cfg, "draft_name", None) or getattr(cfg.draft, "name", cfg.draft)
+
+
+def draft_model_label(spec: BenchSpec, cfg: MagicDecConfig) -> str:
+    name = draft_name(cfg)
+    budget = "" if name == "full" else f"/{cfg.draft_budget}"
+    return f"draft-model {spec.draft_model} {name}{budget} γ={cfg.gamma}"
+
+
+def plan_ran(stats) -> dict | None:
+    """What a MagicDec call ran (the planner's choice where fields were "auto"), from its
+    ``SpeculationStats``: view, budget, γ (mean γ when adaptive) and draft weights; ``declined``
+    when the planner chose plain decoding."""
+    if stats is None:
+        return None
+    declined = stats.draft.startswith("none")
+    return {"draft": None if declined else stats.draft, "draft_budget": None if declined else stats.draft_budget,
+            "gamma": stats.gamma, "mean_gamma": round(stats.mean_gamma, 3), "adaptive_gamma": stats.adaptive_gamma,
+            "draft_weights": None if declined else stats.draft_weights, "declined": declined}
+
+
+def plan_label(stats) -> str:
+    """:func:`plan_ran` in a few characters: ``snapkv/256 γ=3 full``, ``snapkv/256 γ≈1.8 int8``
+    (adaptive: the mean γ), ``γ=0`` (own AR), ``plain (declined)``."""
+    p = plan_ran(stats)
+    if p is None:
+        return "-"
+    if p["declined"]:
+        return "plain (declined)"
+    if p["gamma"] == 0 and not p["adaptive_gamma"]:
+        return "γ=0"
+    gamma = f"γ≈{p['mean_gamma']:.1f}" if p["adaptive_gamma"] else f"γ={p['gamma']}"
+    return f"{p['draft']}/{p['draft_budget']} {gamma} {p['draft_weights']}"
 
 
 @dataclass
@@ -138,6 +198,7 @@ class Result:
     identical: bool | None = None
     bytes_read: float | None = None
     speedup_vs_stock: float | None = None
+    speedup_vs_static: float | None = None  # vs stock generate with cache_implementation="static"
     speedup_vs_ar: float | None = None
     predicted_speedup: float | None = None
     extra: dict = field(default_factory=dict)
@@ -189,6 +250,7 @@ class Result:
             "decode_tok_per_s": self.decode_tok_per_s,
             "ms_per_token": self.ms_per_token,
             "speedup_vs_stock": self.speedup_vs_stock,
+            "speedup_vs_static": self.speedup_vs_static,
             "speedup_vs_own_ar": self.speedup_vs_ar,
             "predicted_speedup": self.predicted_speedup,
             "identical_to_generate": self.identical,
@@ -196,6 +258,8 @@ class Result:
             "est_bytes_read": self.bytes_read,
             "est_gb_per_s": self.gb_per_s,
             "config": None if self.config is None else self.config.to_dict(),
+            "plan_ran": plan_ran(s) if self.method == "magicdec" or self.method == "own-ar" else None,
+            "plan_label": plan_label(s) if self.method == "magicdec" or self.method == "own-ar" else None,
         }
         if s is not None and self.config is not None and self.config.gamma != 0 and s.steps:
             lengths = [n for r in s.accepted_lengths for n in r]
@@ -209,6 +273,8 @@ class Result:
                 plan=s.plan,
                 breakdown=self.breakdown(),
             )
+        if s is not None and "plan" not in row and getattr(s, "plan", None) is not None:
+            row["plan"] = s.plan  # the planner's decision (and its reason) also when it declined
         row.update(self.extra)
         return row
 
@@ -247,7 +313,9 @@ def _predict(model, result: Result) -> None:
         return
     gamma = max(1, round(s.mean_gamma))
     # The view with the run's options: a query-aware view's selection cost depends on them.
-    view = result.config.view_for(s.draft) if result.config is not None else get_view(s.draft)
+    # (an "auto" view: the planner's choice with default options, as the planner priced it)
+    explicit = result.config.view if result.config is not None else None
+    view = explicit if explicit is not None and getattr(explicit, "name", s.draft) == s.draft else get_view(s.draft)
     p = hf_magicdec.plan(model, batch_size=result.batch, prompt_len=result.context, new_tokens=result.new_tokens,
                          hardware=result.config.hardware if result.config is not None else None, drafts=[view],
                          budgets=(s.draft_budget,), gammas=(gamma,), acceptance=min(s.acceptance_rate, 0.999),
@@ -280,6 +348,10 @@ def run(spec: BenchSpec, progress: bool = True, on_result: Callable[[Result], No
     so an interrupted run keeps what it measured). ``env``: the environment already collected by
     the caller (default: collected here).
     """
+    if spec.rounds is not None:
+        from .rounds import run_rounds  # the rounds protocol builds on this module
+
+        return run_rounds(spec, progress=progress, on_result=on_result, env=env)
     device = resolve_device(spec.device)
     log.warning("loading %s (%s) on %s …", spec.model, spec.dtype, device)
     model, tokenizer = load_model(spec.model, spec.dtype, device)
@@ -346,6 +418,11 @@ def run(spec: BenchSpec, progress: bool = True, on_result: Callable[[Result], No
         same = [r for r in results if (r.batch, r.context) == (res.batch, res.context)]
         stock = next((r for r in same if r.method == ("stock-b1" if method == "assisted" else "stock")), None)
         ar = next((r for r in same if r.method == "own-ar"), None)
+        static = next((r for r in same if r.method == "stock-static"), None)
+        if method == "stock-static":
+            res.speedup_vs_static = 1.0
+        elif static is not None and method not in ("stock", "stock-b1", "assisted"):
+            res.speedup_vs_static = static.m.decode_s / res.m.decode_s
         if method in ("stock", "stock-b1"):
             res.speedup_vs_stock = 1.0
         elif stock is not None:
@@ -376,7 +453,7 @@ def run(spec: BenchSpec, progress: bool = True, on_result: Callable[[Result], No
             if spec.static_baseline:
                 one("stock-static", "stock generate, static cache", ids,
                     lambda clock, x, n: generate(x, n, clock, cache_implementation="static"), None, base)
-            own_ar = MagicDecConfig(draft=OWN_AR_DRAFT, draft_budget=OWN_AR_BUDGET, gamma=0)
+            own_ar = MagicDecConfig.from_any(draft=OWN_AR_DRAFT, draft_budget=OWN_AR_BUDGET, gamma=0)
 
             def run_own_ar():
                 one("own-ar", "own AR (gamma=0)", ids,
@@ -388,15 +465,11 @@ def run(spec: BenchSpec, progress: bool = True, on_result: Callable[[Result], No
                 if spec.own_ar and not spec.share_prefill:
                     run_own_ar()
                 for cfg in configs[context]:
-                    label = f"magicdec {cfg.draft}/{cfg.draft_budget} γ={cfg.gamma}".replace("auto/auto", "auto")
-                    label += f" {cfg.draft_weights}" if cfg.draft_weights != "full" else ""
-                    one("magicdec", label, ids,
+                    one("magicdec", magicdec_label(cfg), ids,
                         lambda clock, x, n, c=cfg: generate(x, n, clock, speculative=c, return_dict_in_generate=True),
                         cfg, base)
                 for cfg in small_configs[context]:
-                    budget = "" if cfg.draft == "full" else f"/{cfg.draft_budget}"
-                    label = f"draft-model {spec.draft_model} {cfg.draft}{budget} γ={cfg.gamma}"
-                    one("magicdec", label, ids,
+                    one("magicdec", draft_model_label(spec, cfg), ids,
                         lambda clock, x, n, c=cfg: generate(x, n, clock, speculative=c, draft_model=small,
                                                             return_dict_in_generate=True),
                         cfg, base, estimate=False)

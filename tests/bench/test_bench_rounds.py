@@ -1,0 +1,212 @@
+"""``hf-magicdec bench --rounds N``: the rounds timing protocol on a tiny random model and tiny sizes.
+
+Pinned: the order rotates each round; medians and spread come from the per-round numbers; the
+busy-machine warning fires on a large spread (and only then); one stock prefill and one shared
+MagicDec prefill serve every round; the table and the JSONL say which plan each MagicDec row ran.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import types
+
+import pytest
+import torch
+from conftest import VOCAB, make_model
+
+from hf_magicdec import SpeculationStats
+from hf_magicdec_bench.bench import rounds as rounds_mod
+from hf_magicdec_bench.bench.cli import main as bench_main
+from hf_magicdec_bench.bench.harness import Measurement
+from hf_magicdec_bench.bench.report import rounds_notes, table
+from hf_magicdec_bench.bench.rounds import Method, busy_warning, rotation, spread
+from hf_magicdec_bench.bench.runner import Result, plan_label, plan_ran
+
+CONTEXT, BATCH, NEW = 96, 2, 6
+
+
+# ----------------------------------------------------------------------------- pure parts
+def test_rotation_puts_every_method_in_every_position():
+    n = 4
+    orders = [rotation(n, r) for r in range(n)]
+    assert orders[0] == [0, 1, 2, 3] and orders[1] == [1, 2, 3, 0]
+    for order in orders:
+        assert sorted(order) == list(range(n))
+    for method in range(n):  # over n rounds, each method runs once at each position
+        assert sorted(order.index(method) for order in orders) == list(range(n))
+    assert rotation(3, 4) == rotation(3, 1) and rotation(0, 2) == []
+
+
+def test_spread_is_range_over_median():
+    assert spread([1.0, 2.0, 3.0]) == pytest.approx(1.0)
+    assert spread([2.0, 2.2, 1.8, 2.0]) == pytest.approx(0.2)
+    assert spread([5.0]) == 0.0 and spread([]) == 0.0
+
+
+def _measurement(decode, prefill=0.1, accepted=None):
+    stats = None
+    if accepted is not None:
+        stats = SpeculationStats(accepted_lengths=[[accepted]], gamma=3, draft="snapkv", draft_budget=256)
+    return Measurement(prefill_s=prefill, decode_s=decode, prefill_all=[prefill], decode_all=[decode],
+                       sequences=torch.ones(1, 4, dtype=torch.long), speculation=stats)
+
+
+def test_aggregate_takes_medians_and_spread_from_the_rounds():
+    m = Method("magicdec", "magicdec snapkv/256 γ=3", run=None, warm=None)
+    # rounds finished in rotated positions, recorded out of round order: sorted back by round
+    m.rounds = [(2, 0, _measurement(1.2, 0.3, accepted=3), {"cache_passed": False}),
+                (0, 2, _measurement(1.0, 0.1, accepted=1), {"cache_passed": False}),
+                (1, 1, _measurement(1.5, 0.2, accepted=2), {"cache_passed": False})]
+    res = rounds_mod._aggregate(m, 1, 4, 4, torch.ones(1, 4, dtype=torch.long))
+    assert res.m.decode_all == [1.0, 1.5, 1.2] and res.m.prefill_all == [0.1, 0.2, 0.3]
+    assert res.m.decode_s == statistics.median([1.0, 1.5, 1.2]) == 1.2
+    assert res.m.prefill_s == 0.2
+    assert res.extra["decode_spread"] == pytest.approx((1.5 - 1.0) / 1.2)
+    assert res.extra["decode_min_s"] == 1.0 and res.extra["decode_max_s"] == 1.5
+    assert res.extra["round_position"] == [2, 1, 0] and res.extra["rounds"] == 3
+    assert res.m.speculation.accepted_lengths == [[3]]  # the median round's statistics
+    assert res.identical is True
+
+
+def _row(label, decode_all, method="magicdec"):
+    m = Measurement(prefill_s=0.1, decode_s=statistics.median(decode_all), prefill_all=[0.1] * len(decode_all),
+                    decode_all=decode_all, sequences=torch.ones(1, 4, dtype=torch.long))
+    r = Result(method, label, 1, 4, 4, m)
+    r.extra.update(decode_spread=spread(decode_all), rounds=len(decode_all))
+    return r
+
+
+def test_busy_warning_fires_on_a_large_spread_only():
+    calm = [_row("stock generate", [1.0, 1.05, 0.98], "stock"), _row("magicdec a", [0.5, 0.52, 0.51])]
+    assert busy_warning(calm) is None
+    assert "WARNING" not in rounds_notes(calm)
+    busy = calm + [_row("magicdec b", [0.5, 0.9, 0.55])]
+    line = busy_warning(busy, load=(3.5, 3.0, 2.0))
+    assert line.startswith("WARNING:") and "magicdec b 73%" in line and "magicdec a" not in line
+    assert "busy" in line and "load average 3.50" in line
+    assert any(x.startswith("WARNING:") for x in rounds_notes(busy).splitlines())
+    assert busy_warning(busy, threshold=0.8) is None  # the threshold is what decides
+
+
+def test_plan_label_names_what_ran():
+    fixed = SpeculationStats(accepted_lengths=[[3]], gamma=3, draft="snapkv", draft_budget=256)
+    assert plan_label(fixed) == "snapkv/256 γ=3 full"
+    adaptive = SpeculationStats(accepted_lengths=[[1, 2]], gamma=2, draft="streamingllm", draft_budget=512,
+                                draft_weights="int8", gamma_trace=[1, 2, 2], adaptive_gamma=True)
+    assert plan_label(adaptive) == "streamingllm/512 γ≈1.7 int8"
+    declined = SpeculationStats(accepted_lengths=[[]], draft="none (planner: plain decoding)")
+    assert plan_label(declined) == "plain (declined)" and plan_ran(declined)["declined"] is True
+    assert plan_ran(adaptive) == {"draft": "streamingllm", "draft_budget": 512, "gamma": 2, "mean_gamma": 1.667,
+                                  "adaptive_gamma": True, "draft_weights": "int8", "declined": False}
+    assert plan_label(None) == "-"
+
+
+def test_bad_rounds_arguments_fail_before_loading(monkeypatch, capsys):
+    from hf_magicdec_bench import models
+
+    monkeypatch.setattr(models, "load", lambda *a, **k: pytest.fail("loaded a model despite bad arguments"))
+    for argv, fragment in ((["--rounds", "0"], "rounds"), (["--rounds", "2", "--repeats", "2"], "repeats"),
+                           (["--rounds", "2", "--assistant", "x"], "assistant"),
+                           (["--rounds", "2", "--ruler", "niah_single"], "--ruler")):
+        with pytest.raises(SystemExit) as exc:
+            bench_main(argv)
+        assert exc.value.code == 2
+        assert fragment in capsys.readouterr().err
+
+
+# ----------------------------------------------------------------------------- end to end, tiny model
+@pytest.fixture
+def tiny_bench(monkeypatch):
+    """``hf-magicdec bench`` on a tiny random Llama: models.load and the prompt source patched; counts
+    the prompt-length forwards (prefills) through the embedding."""
+    from hf_magicdec_bench import data, models
+
+    model = make_model("llama-gqa3", layers=2)
+    monkeypatch.setattr(models, "load", lambda *a, **k: (model, types.SimpleNamespace(pad_token_id=0)))
+    monkeypatch.setattr(data, "prompt_batch", lambda tok, b, c, source=None: torch.randint(
+        3, VOCAB, (b, c), generator=torch.Generator().manual_seed(c)))
+    prefills = []
+
+    def count(module, args):
+        if args and args[0].dim() == 2 and args[0].shape[1] >= CONTEXT - 1:
+            prefills.append(tuple(args[0].shape))
+
+    handle = model.model.embed_tokens.register_forward_pre_hook(count)
+    yield model, prefills
+    handle.remove()
+
+
+def _bench(tmp_path, *extra):
+    out = tmp_path / "out"
+    code = bench_main(["--model", "tiny", "--batch", str(BATCH), "--context", str(CONTEXT), "--new-tokens", str(NEW),
+                       "--draft", "streamingllm", "snapkv", "--budget", "48", "--gamma", "2", "--static-baseline",
+                       "--out", str(out), "--quiet", *extra])
+    rows = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
+    return code, rows, out
+
+
+def test_rounds_share_one_prefill_rotate_and_report(tmp_path, tiny_bench, capsys):
+    _, prefills = tiny_bench
+    code, rows, out = _bench(tmp_path, "--rounds", "3")
+    assert code == 0
+    labels = [r["label"] for r in rows]
+    assert labels == ["stock generate", "stock generate, static cache", "own AR (gamma=0)",
+                      "magicdec streamingllm/48 γ=2", "magicdec snapkv/48 γ=2"]
+    # Two prefills of the prompts in all: stock's reference (from scratch) and the shared MagicDec one;
+    # every round's stock and static call continues from a copy of the first, the others from the second.
+    assert len(prefills) == 2, prefills
+    n = len(rows)
+    for i, r in enumerate(rows):
+        assert r["rounds"] == 3 and len(r["decode_s_all"]) == 3
+        assert r["round_position"] == [rotation(n, k).index(i) for k in range(3)]
+        assert r["decode_s"] == statistics.median(r["decode_s_all"])
+        assert r["decode_spread"] == pytest.approx(spread(r["decode_s_all"]))
+        assert r["speedup_vs_stock"] == pytest.approx(rows[0]["decode_s"] / r["decode_s"])
+        if r["method"] != "stock":
+            assert r["identical_to_generate"] is True
+            assert r["speedup_vs_static"] == pytest.approx(rows[1]["decode_s"] / r["decode_s"])
+    assert rows[0]["identical_to_reference"] is True and rows[0]["reference_prefill_s"] > 0
+    assert all(r["cache_reused"] for r in rows[:2])
+    magic = [r for r in rows if r["method"] in ("own-ar", "magicdec")]
+    assert all(r["prefill_shared"] and r["shared_prefill_s"] > 0 for r in magic)
+    assert [r["plan_label"] for r in magic] == ["γ=0", "streamingllm/48 γ=2 full", "snapkv/48 γ=2 full"]
+    assert magic[2]["plan_ran"]["draft"] == "snapkv" and magic[2]["plan_ran"]["draft_budget"] == 48
+    assert magic[2]["round_plans"] == ["snapkv/48 γ=2 full"] * 3
+    assert rows[0]["env"]["loadavg"] is None or len(rows[0]["env"]["loadavg"]) == 3
+    printed = capsys.readouterr().out
+    head = next(line for line in printed.splitlines() if "method" in line and "plan" in line)
+    assert "spread" in head and "vs static" in head and "1st tok s" in head
+    assert "snapkv/48 γ=2 full" in printed and "prefill, once for B=2 S=96" in printed
+    assert (out / "throughput.png").stat().st_size > 0
+
+
+def test_default_plan_row_says_what_the_planner_chose(tmp_path, tiny_bench):
+    """At this size the planner declines: the row says so, and after the first (declined) round the
+    default plan continues from stock's cache instead of prefilling again."""
+    _, prefills = tiny_bench
+    code, rows, _ = _bench(tmp_path, "--rounds", "3", "--default-plan", "--no-own-ar", "--draft", "snapkv")
+    assert code == 0
+    plan = rows[-1]
+    assert plan["label"] == "magicdec default plan" and plan["identical_to_generate"] is True
+    assert plan["config"]["draft"] == "auto" and plan["config"]["draft_weights"] == "auto"
+    ran = plan["plan_ran"]
+    assert set(ran) == {"draft", "draft_budget", "gamma", "mean_gamma", "adaptive_gamma", "draft_weights", "declined"}
+    assert plan["plan_label"] == plan["round_plans"][1]
+    if ran["declined"]:
+        assert plan["plan_label"] == "plain (declined)"
+        assert plan["round_cache_passed"] == [False, True, True]
+        assert len(prefills) == 3  # reference, shared MagicDec prefill, the declined first round's own
+    else:
+        assert len(prefills) == 2
+
+
+def test_rounds_off_keeps_the_sequential_protocol(tmp_path, tiny_bench):
+    _, prefills = tiny_bench
+    code, rows, _ = _bench(tmp_path, "--no-own-ar")
+    assert code == 0
+    assert [r["method"] for r in rows] == ["stock", "stock-static", "magicdec", "magicdec"]
+    assert all("rounds" not in r for r in rows) and len(prefills) == 4  # every method prefills for itself
+    assert rows[2]["plan_label"] == "streamingllm/48 γ=2 full" and rows[2]["speedup_vs_static"] > 0
+    results = [_row("x", [1.0])]
+    assert "plan" in table(results).splitlines()[0]
