@@ -48,7 +48,12 @@ SCRIPTS = {
                         ["all answers identical to stock generate: yes", "prefill saved"]),
     # docs/multi_gpu.md's script; --tiny: a random tiny Llama behind a device map, runs on one CPU.
     "multi_gpu.py": (["--tiny"], ["identical to stock generate: yes"]),
+    # docs/trl.md's script: one GRPO step whose rollouts go through MagicDec, checked against stock.
+    "grpo_rollouts.py": (["--prompts", "2", "--generations", "2", "--new-tokens", "16", "--passage-words", "80",
+                          "--greedy", "--check"], ["rollouts identical to stock generate: yes", "model in training mode"]),
 }
+#: Scripts that need an optional dependency (skipped without it).
+REQUIRES = {"grpo_rollouts.py": "trl"}
 COVERED_ELSEWHERE = {"publish_to_hub.py"}  # tests/test_model_card.py
 
 
@@ -62,6 +67,8 @@ def _run(args: list[str], timeout: float = 300) -> subprocess.CompletedProcess:
 @pytest.mark.slow
 @pytest.mark.parametrize("script", sorted(SCRIPTS))
 def test_example_script_runs(script):
+    if script in REQUIRES:
+        pytest.importorskip(REQUIRES[script])
     args, expected = SCRIPTS[script]
     proc = _run([str(EXAMPLES / script), *args])
     assert proc.returncode == 0, f"{script} failed:\n{proc.stdout}\n{proc.stderr[-3000:]}"

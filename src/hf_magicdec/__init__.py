@@ -13,6 +13,7 @@ from .config import MagicDecConfig
 from .engine.cache import MagicDecCache
 from .engine.outputs import MagicDecOutput, SpeculationStats
 from .engine.shared_prefill import shared_prefill
+from .notices import MagicDecWarning
 from .planning import plan
 from .routing import disable, enable, is_enabled, set_default_speculation
 from .views import DraftView, Dynamic, Full, SnapKV, StreamingLLM, available_views, get_view, register_view
@@ -28,6 +29,7 @@ __all__ = [
     "MagicDecCache",
     "MagicDecConfig",
     "MagicDecOutput",
+    "MagicDecWarning",
     "SpeculationStats",
     "available_views",
     "disable",

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,10 +19,10 @@ from transformers.generation.stopping_criteria import StopStringCriteria, Stoppi
 
 from . import kernels
 from .compat import cache_kwarg_to_past_key_values
-from .config import MagicDecConfig
+from .config import MagicDecConfig, carried_options
 from .engine import attention
 from .engine.continuation import Continuation, check_cache, hand_back, outlives_call
-from .engine.draft_weights import QUANTIZED_FORMATS, check_draft_weights, draft_twin
+from .engine.draft_weights import QUANTIZED_FORMATS, check_draft_weights, draft_twin, has_twin
 from .engine.drafters import ModelDrafter, SelfDrafter, check_draft_model, twin_call
 from .engine.gamma import AdaptiveGamma, FixedGamma
 from .engine.loop import Engine, left_padding
@@ -32,6 +33,7 @@ from .engine.validation import check_generation_config, check_model, check_model
 from .parallel.lockstep import Lockstep, resolve_synced_gpus
 from .planner.gamma import GammaController
 from .planner.memory import draft_key, record_acceptance
+from .notices import notice
 from .resolve import Resolution, resolve
 
 __all__ = ["Request", "generate"]
@@ -116,8 +118,11 @@ def generate(model, input_ids: torch.LongTensor, logits_processor=None, stopping
     into MagicDec's cache during the call, not copied): pass ``copy.deepcopy(cache)`` to reuse a
     prompt cache. See :mod:`hf_magicdec.engine.continuation`.
     """
-    request = magicdec_request if magicdec_request is not None else Request(
-        MagicDecConfig.from_any(speculative if speculative is not None else "magicdec"), streamer, synced_gpus)
+    if magicdec_request is None:  # custom_generate=hf_magicdec.generate, not through the routing
+        spec = speculative if speculative is not None else getattr(generation_config, "speculative", None)
+        config = MagicDecConfig.from_any(spec if spec is not None else "magicdec", **carried_options(generation_config))
+        magicdec_request = Request(config, streamer, synced_gpus)
+    request = magicdec_request
     call = _prepare(model, input_ids, request, generation_config, logits_processor, stopping_criteria, model_kwargs)
     # Every rank of a TP group (every rank under synced_gpus) runs the first rank's plan. The steps read
     # the KV of the whole context (``prompt``: cached tokens included); prefill is not part of the plan.
@@ -181,6 +186,9 @@ def _stock(call: _Call, resolution: Resolution):
     """The planner predicts no speedup: decode exactly as stock ``generate`` does (which would have
     streamed the prompt before decoding; the routing kept the streamer from it)."""
     model, input_ids, gen, streamer = call.model, call.input_ids, call.gen, call.request.streamer
+    reason = resolution.plan.reason if resolution.plan is not None else "nothing fits the explicit settings"
+    notice(f"speculative='magicdec' decodes this call with stock generate (the planner chose plain decoding: "
+           f"{reason}); set draft_budget= and gamma= to speculate anyway.", stacklevel=5)
     if streamer is not None:
         streamer.put(input_ids.cpu())
     out = type(model)._sample(model, input_ids, logits_processor=call.logits_processor,
@@ -201,7 +209,7 @@ def _speculate(call: _Call, resolution: Resolution, draft_model):
     gamma, scratch = _gamma_policy(config, prompt, _new_tokens(call), call.lockstep, resolution)
     chunk = gen.prefill_chunk_size or config.prefill_chunk_size
     target = ModelCall.of(call.model, call.compile_config)
-    twin = draft_twin(call.model, config.draft_weights) if config.draft_weights in QUANTIZED_FORMATS else None
+    twin = _twin(call.model, config.draft_weights)
     drafter = (ModelDrafter(draft_model, config.view, config, chunk, gen.max_length, call.compile_config)
                if draft_model is not None else SelfDrafter(target, config.view, config,
                                                            twin_call(twin, call.compile_config)))
@@ -227,6 +235,21 @@ def _speculate(call: _Call, resolution: Resolution, draft_model):
                            call.model_kwargs.get("position_ids"), call.past)
     stats.refreshes = drafter.refreshes
     return _outputs(call, engine, sequences, stats, scores)
+
+
+def _twin(model, fmt: str):
+    """The model's draft twin in ``fmt`` (None for full weights); building one is said once."""
+    if fmt not in QUANTIZED_FORMATS:
+        return None
+    fresh = not has_twin(model, fmt)
+    t0 = time.perf_counter()
+    twin = draft_twin(model, fmt)
+    if fresh:
+        notice(f"speculative='magicdec' built {fmt} draft weights for {type(model).__name__} in "
+               f"{time.perf_counter() - t0:.1f} s ({twin.nbytes / 2**20:.0f} MiB beside the model; the target still "
+               "verifies in full precision); later calls reuse them while the model's weights are unchanged.",
+               stacklevel=6)
+    return twin
 
 
 def _outputs(call: _Call, engine: Engine, sequences, stats: SpeculationStats, scores: ScoresRecorder | None):

@@ -356,6 +356,27 @@ class MagicDecConfig:
 
 
 _FIELDS = tuple(f.name for f in dataclasses.fields(MagicDecConfig))
+#: Fields that are also ``GenerationConfig`` fields: transformers reads those itself (and they take
+#: precedence), so they are not MagicDec keywords of ``generate``.
+GENERATION_CONFIG_FIELDS = ("prefill_chunk_size",)
+
+
+def keyword_names() -> tuple[str, ...]:
+    """The keywords of ``generate`` (and attributes of a ``GenerationConfig``) that configure
+    MagicDec: :meth:`MagicDecConfig.option_names` but the generation config's own fields."""
+    return tuple(n for n in MagicDecConfig.option_names() if n not in GENERATION_CONFIG_FIELDS)
+
+
+def carried_options(*generation_configs: Any) -> dict[str, Any]:
+    """MagicDec options set as attributes of ``generation_configs`` (later ones win, None skipped):
+    a ``GenerationConfig(speculative="magicdec", draft="snapkv", gamma=3)`` built by a trainer
+    carries its settings that way. A ``speculative`` dict carries its own."""
+    names = keyword_names()
+    options: dict[str, Any] = {}
+    for config in generation_configs:
+        if config is not None:
+            options.update({k: v for k, v in vars(config).items() if k in names and v is not None})
+    return options
 
 
 def _option_owner(draft: Any, candidates: Any) -> tuple[str, ...]:

@@ -26,19 +26,12 @@ from transformers.generation.utils import GenerationMixin
 from .api import Request
 from .api import generate as engine
 from .compat import check_transformers
-from .config import MagicDecConfig
+from .config import MagicDecConfig, carried_options, keyword_names
 from .engine.validation import check_route_kwargs, take_assistant_model
+from .notices import notice
 
 _original_generate = None
-# prefill_chunk_size is also a GenerationConfig field, which takes precedence: left to generate.
-_GENERATION_CONFIG_FIELDS = ("prefill_chunk_size",)
 _OFF = (None, False, "", "none", "off")
-
-
-def _option_names() -> tuple[str, ...]:
-    """The keywords of ``generate`` that configure MagicDec: the config's fields and every
-    registered view's options (``MagicDecConfig.option_names``), but the generation config's."""
-    return tuple(n for n in MagicDecConfig.option_names() if n not in _GENERATION_CONFIG_FIELDS)
 
 
 def is_enabled() -> bool:
@@ -68,6 +61,7 @@ def enable() -> None:
             spec = "magicdec"  # custom_generate=hf_magicdec.generate: its options enter here too
         if spec in _OFF:
             kwargs.pop("speculative", None)
+            _refuse_unrequested_options(self, args, kwargs)
             return original(self, *args, **kwargs)
         return _route(self, original, signature, spec, args, kwargs)
 
@@ -94,6 +88,23 @@ def _requested(model, args, kwargs, signature) -> Any:
     return None
 
 
+def _refuse_unrequested_options(model, args, kwargs) -> None:
+    """MagicDec's options on a call that did not ask for MagicDec: keywords are refused (stock
+    ``generate`` would refuse them too, as unused model kwargs, without saying why); options a
+    generation config carries are ignored with a warning."""
+    taken = set(inspect.signature(model.forward).parameters)
+    stray = sorted(n for n in keyword_names() if n in kwargs and n not in taken)
+    if stray:
+        raise ValueError(f"{stray} are MagicDec options, and this call did not ask for MagicDec: add "
+                         "speculative='magicdec' (or drop them).")
+    config = kwargs.get("generation_config", args[1] if len(args) >= 2 else None)
+    carried = carried_options(config)
+    if carried:
+        notice(f"The generation config carries MagicDec options {sorted(carried)} but no speculative= entry: they "
+               "are ignored and this call decodes with stock generate. Add speculative='magicdec' to use them.",
+               stacklevel=4)
+
+
 def _route(model, original, signature, spec, args, kwargs):
     bound = signature.bind_partial(model, *args, **kwargs)
     call = dict(bound.arguments)
@@ -105,8 +116,8 @@ def _route(model, original, signature, spec, args, kwargs):
         raise ValueError(f"speculative={spec!r} cannot be combined with custom_generate={custom!r}.")
     take_assistant_model(call)  # assistant_model= is the draft model, as in assisted generation
     check_route_kwargs(call)
-    options = _carried_options(model, call.get("generation_config"))
-    options.update({name: call.pop(name) for name in _option_names() if name in call})
+    options = carried_options(getattr(model, "generation_config", None), call.get("generation_config"))
+    options.update({name: call.pop(name) for name in keyword_names() if name in call})
     # Validated here, once, before HF prepares anything or the model runs.
     config = MagicDecConfig.from_any(spec, **options)
     # HF drops `tokenizer` before a custom callable sees it and then fails on stop strings;
@@ -123,18 +134,6 @@ def _route(model, original, signature, spec, args, kwargs):
                                        tokenizer=call.pop("tokenizer", None) if stop_strings else None)
     call["custom_generate"] = engine
     return original(model, **call)
-
-
-def _carried_options(model, generation_config) -> dict[str, Any]:
-    """MagicDec options set as attributes of the model's generation config and of the call's (which
-    wins): a ``GenerationConfig(speculative="magicdec", draft="snapkv", gamma=3)`` built by a
-    trainer carries its settings that way. A ``speculative`` dict carries its own."""
-    options: dict[str, Any] = {}
-    for config in (getattr(model, "generation_config", None), generation_config):
-        if config is not None:
-            options.update({name: value for name, value in vars(config).items()
-                            if name in _option_names() and value is not None})
-    return options
 
 
 def _install_on_import() -> None:

@@ -4,6 +4,7 @@
     hf-magicdec demo ...         the benchmark's default comparison (``make demo``)
     hf-magicdec acceptance ...   acceptance rate over draft views x budgets x contexts
     hf-magicdec plan ...         the cost model's choice of draft view, budget and gamma
+    hf-magicdec rollouts ...     GRPO-shaped generation (prompts x generations, sampling, EOS) timed
     hf-magicdec export-hub DIR   a transformers ``custom_generate`` repository that runs MagicDec
 
 ``hf-magicdec --version`` prints the version; ``--quiet`` (before or after the command, on every
@@ -27,6 +28,8 @@ COMMANDS = {
     "acceptance": ("hf_magicdec_bench.bench.acceptance",
                    "acceptance over draft views x budgets x contexts (shared prefill)", False),
     "plan": ("hf_magicdec_bench.plan", "print the planner's choice and a predicted-speedup grid", True),
+    "rollouts": ("hf_magicdec_bench.rollouts",
+                 "time RL-rollout-shaped generation (prompts x generations, sampling, EOS honoured)", False),
     "export-hub": ("hf_magicdec_bench.hub",
                    "write a custom_generate repository: model.generate(custom_generate=DIR, trust_remote_code=True)",
                    True),
@@ -107,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
         if takes_quiet:
             rest.append("--quiet")
     module = importlib.import_module(module_name)
-    kwargs = {"prog": f"{PROG} {name}"} if name in ("demo", "export-hub") else {}
+    kwargs = {"prog": f"{PROG} {name}"} if name in ("demo", "export-hub", "rollouts") else {}
     return int(module.main(rest, **kwargs) or 0)
 
 

@@ -25,6 +25,10 @@ Formats and kernels (chosen by speed measured on this project's CPUs, ``docs/ben
     accepts as the full-weight one does. On 2 AVX2 cores at batch 8 its draft forward is as fast as
     int8's (the draft is bound by the cost of its thousands of small operator calls there, not by
     weight bytes).
+A PEFT model (LoRA and kin) gets a twin whose tuner layers quantize their base layer only; the
+adapters stay in full precision and are shared with the model, so training them is seen by the
+draft at once, without rebuilding the twin.
+
 ``"int8"`` / ``"int4"`` on CUDA
     torchao's weight-only configs (``Int8WeightOnlyConfig`` / ``Int4WeightOnlyConfig``), when
     torchao is installed. Not yet measured on a GPU.
@@ -47,7 +51,7 @@ from torch import nn
 
 from ..defaults import AUTO, QUANTIZED_FORMATS
 
-__all__ = ["QUANTIZED_FORMATS", "DraftTwin", "check_draft_weights", "draft_twin", "feasible_formats",
+__all__ = ["QUANTIZED_FORMATS", "DraftTwin", "check_draft_weights", "draft_twin", "feasible_formats", "has_twin",
            "supported_formats"]
 
 # model -> {format: DraftTwin}. Weak keys: the twin holds no reference to the model object itself
@@ -120,7 +124,8 @@ def check_draft_weights(model, fmt: str, device: torch.device, draft_model=None)
         if hasattr(module, "_hf_hook") or _patched_forward(module):
             raise ValueError(f"draft_weights={fmt!r} needs a model whose forwards are its own; module {name!r} carries "
                              "an accelerate hook or a patched forward (device_map offloading?). Use draft_weights='full'.")
-    linears = [(n, m) for n, m in model.named_modules() if type(m) is nn.Linear]
+    chosen = {id(m) for m in _quantized_linears(model)}
+    linears = [(n, m) for n, m in model.named_modules() if id(m) in chosen]
     if not linears:
         raise ValueError(f"draft_weights={fmt!r}: the model has no plain torch.nn.Linear layer to quantize "
                          "(already quantized?). Use draft_weights='full'.")
@@ -156,6 +161,12 @@ def feasible_formats(model, device: torch.device, draft_model=None) -> tuple[str
     return tuple(out)
 
 
+def has_twin(model, fmt: str) -> bool:
+    """Whether a current twin of ``model`` in ``fmt`` is cached (:func:`draft_twin` would not build one)."""
+    twin = _TWINS.get(model, {}).get(fmt)
+    return twin is not None and twin.source == _source(model)
+
+
 def draft_twin(model, fmt: str) -> DraftTwin:
     """The model's twin with ``fmt`` linear layers, made once and reused while the weights last."""
     twins = _TWINS.setdefault(model, {})
@@ -167,20 +178,38 @@ def draft_twin(model, fmt: str) -> DraftTwin:
     return twin
 
 
+def _is_tuner(module: nn.Module) -> bool:
+    """A PEFT tuner layer (LoRA and kin): a ``peft`` module wrapping the model's layer as ``base_layer``."""
+    return type(module).__module__.startswith("peft.") and "base_layer" in module._modules
+
+
+def _quantized_linears(model) -> list[nn.Linear]:
+    """The linear layers a twin quantizes: every plain ``nn.Linear`` but a PEFT tuner's adapters
+    (``lora_A`` / ``lora_B`` …), which stay in full precision (their forwards read e.g.
+    ``lora_A.weight.dtype``; they are small) and are shared with the model as they are."""
+    adapters = {id(m) for tuner in model.modules() if _is_tuner(tuner)
+                for name, child in tuner.named_children() if name != "base_layer" for m in child.modules()}
+    return [m for m in model.modules() if type(m) is nn.Linear and id(m) not in adapters]
+
+
 def _source(model) -> tuple:
-    return tuple((id(m.weight), m.weight._version) for m in model.modules() if type(m) is nn.Linear)
+    # Adapters are left out: they are shared, so training them never makes the twin stale.
+    return tuple((id(m.weight), m.weight._version) for m in _quantized_linears(model))
 
 
 def _make_twin(model, fmt: str, source: tuple) -> DraftTwin:
     device = next(model.parameters()).device
     quantize = {"int8": _DynamicInt8Linear, "fp16": _Fp16Linear}[fmt] if device.type == "cpu" else _torchao(fmt)
     made: list[nn.Module] = []
+    quantized = {id(m) for m in _quantized_linears(model)}
 
     def twin_of(module: nn.Module) -> nn.Module:
-        if type(module) is nn.Linear:
+        if id(module) in quantized:
             made.append(quantize(module))
             return made[-1]
-        clone = copy.copy(module)  # shares parameters, buffers, config and hooks; new child dict below
+        # Everything else is cloned (a PEFT tuner's adapters too, so that the twin's eval() leaves
+        # the model's own training flags alone); clones share parameters, buffers, config, hooks.
+        clone = copy.copy(module)
         clone.__dict__.pop("_compiled_call", None)  # transformers' cached torch.compile of the model
         if _rebound_class_forward(module, vars(module).get("forward")):
             del clone.__dict__["forward"]  # bound to the model: the twin would run the model's own forward

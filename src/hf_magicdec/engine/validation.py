@@ -59,11 +59,8 @@ def check_model(model, max_length: int | None = None) -> None:
             "and other models with `_supports_attention_backend = True`."
         )
     check_attention_keywords(model)
-    if model.training and any(isinstance(m, torch.nn.Dropout) and m.p > 0 for m in model.modules()):
-        raise NotImplementedError(
-            f"{name} is in training mode with dropout, so its outputs are random; call model.eval() before "
-            "generating with speculative='magicdec'."
-        )
+    if model.training:
+        _check_training_mode(model, config, name)
     layer_types = list(getattr(config, "layer_types", None) or [])
     other = sorted(set(layer_types) - _FULL_LAYER_TYPES)
     if other:
@@ -80,6 +77,30 @@ def check_model(model, max_length: int | None = None) -> None:
             f"{name} uses sliding-window attention ({window=}) and this generation reaches {max_length=} tokens: "
             "the window would evict tokens, which MagicDec's cache does not model. Generate at most "
             f"{window} tokens in total (prompt + new), or use stock generate."
+        )
+
+
+#: Config fields that set the attention's own dropout (applied inside the attention function, no ``nn.Dropout``).
+_ATTENTION_DROPOUT_FIELDS = ("attention_dropout", "attn_pdrop", "attention_probs_dropout_prob")
+
+
+def _check_training_mode(model, config, name: str) -> None:
+    """A model in training mode (RL trainers generate without ``eval()``) decodes as stock does in
+    that state only without randomness and with its cache: refuse dropout and gradient checkpointing."""
+    dropout = [type(m).__name__ for m in model.modules() if isinstance(m, torch.nn.Dropout) and m.p > 0]
+    rates = {f: getattr(config, f) for f in _ATTENTION_DROPOUT_FIELDS
+             if isinstance(getattr(config, f, None), (int, float)) and getattr(config, f) > 0}
+    if dropout or rates:
+        what = f"dropout ({dropout[0]})" if dropout else f"attention dropout ({rates})"
+        raise NotImplementedError(
+            f"{name} is in training mode with {what}, so its outputs are random and speculation could not match "
+            "them; call model.eval() before generating with speculative='magicdec' (or set the dropout to 0)."
+        )
+    if any(getattr(m, "gradient_checkpointing", False) is True for m in model.modules()):
+        raise NotImplementedError(
+            f"{name} is in training mode with gradient checkpointing on, whose checkpointed layers drop the KV "
+            "cache; call model.gradient_checkpointing_disable() (TRL does so around generate) or model.eval() "
+            "before generating with speculative='magicdec'."
         )
 
 
