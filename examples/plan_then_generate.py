@@ -62,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
         config = MagicDecConfig.from_any(plan)  # a MagicDecConfig: draft, draft_budget, gamma fixed
         out = model.generate(**inputs, speculative=config, return_dict_in_generate=True)
         s = out.speculation
-        print(f"--- generate(speculative={config.draft}/{config.draft_budget}, gamma={config.gamma}) ---")
+        print(f"--- generate(speculative={config.draft_name}/{config.draft_budget}, gamma={config.gamma}) ---")
         print(f"acceptance {s.acceptance_rate:.3f} (the plan assumed {plan.acceptance:.3f}), "
               f"tokens/step {s.tokens_per_step:.2f} (predicted {plan.tokens_per_step:.2f}), "
               f"decode {s.decode_seconds:.2f} s")

@@ -162,7 +162,7 @@ def test_readme_quickstart_runs():
         code = code.replace(old, new)
     proc = _run(["-c", code])
     assert proc.returncode == 0, f"README quickstart failed:\n{proc.stdout}\n{proc.stderr[-3000:]}"
-    assert "acceptance_rate" in proc.stdout
+    assert "verification steps: acceptance" in proc.stdout  # out.speculation.summary(), printed
 
 
 # ---------------------------------------------------------------- docs say true things

@@ -14,7 +14,7 @@ from .engine.cache import MagicDecCache
 from .engine.outputs import MagicDecOutput, SpeculationStats
 from .engine.shared_prefill import shared_prefill
 from .notices import MagicDecWarning
-from .planning import plan
+from .planning import device_model, plan
 from .routing import disable, enable, is_enabled, set_default_speculation
 from .views import DraftView, Dynamic, Full, SnapKV, StreamingLLM, available_views, get_view, register_view
 
@@ -33,6 +33,7 @@ __all__ = [
     "SpeculationStats",
     "available_views",
     "disable",
+    "device_model",
     "enable",
     "generate",
     "get_view",

@@ -197,15 +197,17 @@ def _stock(call: _Call, resolution: Resolution):
     if not gen.return_dict_in_generate:
         return out
     stats = SpeculationStats(accepted_lengths=[[] for _ in range(input_ids.shape[0])],
-                             draft="none (planner: plain decoding)",
+                             draft="none (planner: plain decoding)", prefill_seconds=None, decode_seconds=None,
+                             draft_seconds=None, verify_seconds=None,
                              plan=resolution.plan.to_dict() if resolution.plan is not None else None)
     return MagicDecOutput(**{k: v for k, v in out.items()}, speculation=stats)
 
 
 def _speculate(call: _Call, resolution: Resolution, draft_model):
     """Assemble the engine for ``resolution.config`` and run it."""
-    config, gen = resolution.config, call.gen
+    gen = call.gen
     batch, prompt = call.input_ids.shape
+    config = _bounded(resolution.config, prompt, _new_tokens(call))
     gamma, scratch = _gamma_policy(config, prompt, _new_tokens(call), call.lockstep, resolution)
     chunk = gen.prefill_chunk_size or config.prefill_chunk_size
     target = ModelCall.of(call.model, call.compile_config)
@@ -235,6 +237,19 @@ def _speculate(call: _Call, resolution: Resolution, draft_model):
                            call.model_kwargs.get("position_ids"), call.past)
     stats.refreshes = drafter.refreshes
     return _outputs(call, engine, sequences, stats, scores)
+
+
+def _bounded(config: MagicDecConfig, prompt: int, new_tokens: int) -> MagicDecConfig:
+    """``config`` with a draft budget no larger than the call can fill (the views are sized by it);
+    a budget that compresses nothing is said once."""
+    view, context = config.view, prompt + new_tokens
+    if config.gamma == 0 or view is None or view.name == "full" or config.draft_budget <= context:
+        return config
+    budget = view.bounded_budget(config.draft_budget, config.gamma, context)
+    notice(f"draft_budget={config.draft_budget} holds the whole context ({prompt} prompt slots + {new_tokens} new "
+           f"tokens per row): nothing is compressed, so the draft reads as much KV as the target and speculation "
+           f"cannot pay; the views are sized to {budget} slots. Use a budget well below the context.", stacklevel=6)
+    return config.replace(draft_budget=budget)
 
 
 def _twin(model, fmt: str):

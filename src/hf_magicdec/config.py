@@ -141,6 +141,12 @@ class MagicDecConfig:
         With ``draft="auto"``: the views the planner chooses among, with their options (default:
         ``StreamingLLM()`` and ``SnapKV()``; flat options given with an ``"auto"`` draft go to the
         candidates that have them). Empty once a view is chosen.
+    acceptance_memory : bool
+        Plan with the acceptance that earlier calls on this model measured, where there is one,
+        instead of the documented prior. Off by default, so that the same inputs get the same plan
+        on every call of a process (and, when sampling with a seed, the same tokens: the drawn
+        tokens depend on γ); with it on, a plan depends on the calls before it. Every call records
+        what it measured either way.
 
     Raises
     ------
@@ -170,6 +176,7 @@ class MagicDecConfig:
     compile: Any = AUTO
     draft_weights: str = AUTO
     candidates: tuple[DraftView, ...] = ()
+    acceptance_memory: bool = False
 
     def __post_init__(self) -> None:
         self._check_draft()
@@ -202,6 +209,8 @@ class MagicDecConfig:
             object.__setattr__(self, "compile", CompileConfig(**self.compile))
         if not (isinstance(self.compile, CompileConfig) or self.compile in (AUTO, True, False)):
             raise ValueError(f"compile must be 'auto', True, False or a transformers.CompileConfig, got {self.compile!r}.")
+        if not isinstance(self.acceptance_memory, bool):
+            raise ValueError(f"acceptance_memory must be True or False, got acceptance_memory={self.acceptance_memory!r}.")
         if self.draft_weights not in DRAFT_WEIGHT_FORMATS:
             raise ValueError(f"draft_weights must be one of {list(DRAFT_WEIGHT_FORMATS)}, got {self.draft_weights!r}.")
         view = self.view

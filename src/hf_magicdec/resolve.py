@@ -14,16 +14,18 @@ model measured for the same draft view and budget (kept in memory while the mode
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+from transformers import GenerationConfig
 
 from .config import AUTO, DEFAULT_BUDGET, DEFAULT_GAMMA, MagicDecConfig
-from .engine.draft_weights import feasible_formats
+from .engine.draft_weights import feasible_formats, supported_formats
 from .engine.steps import compile_config_for
-from .parallel.lockstep import with_tp_degree
+from .parallel.lockstep import tp_size
 from .planner import default_acceptance, draft_step, get_hardware, search_plan, target_step, verify_step
 from .planner.calibrate import load_calibration
 from .planner.memory import draft_key, observed_acceptance
@@ -35,17 +37,49 @@ from .views import get_view
 log = logging.getLogger("hf_magicdec")
 
 
-def hardware_for(model, config: MagicDecConfig, spec=None):
-    """``(HardwareSpec, description)`` the planner uses for this model (see the module docstring);
-    ``spec``: the model's :class:`~hf_magicdec.planner.ModelSpec` when the caller has it."""
+@dataclass(frozen=True)
+class Target:
+    """What a plan is made for: a model's shapes, name, device, dtype and tensor-parallel degree,
+    and the model itself (None for a config planned for a device without its weights, whose draft
+    weights are then assumed dense floating point, and which has no acceptance memory)."""
 
+    spec: ModelSpec
+    name: str
+    device: torch.device
+    dtype: Any
+    tp: int = 1
+    model: Any = None
+    generation_config: Any = None
+
+    @classmethod
+    def of(cls, model) -> "Target":
+        spec = ModelSpec.from_config(model.config, dtype=model.dtype)
+        name = getattr(model.config, "_name_or_path", None) or spec.name
+        return cls(spec, name, next(model.parameters()).device, model.dtype, tp_size(model), model,
+                   model.generation_config)
+
+    @classmethod
+    def of_config(cls, config, device: str | torch.device = "cpu", dtype: Any = None) -> "Target":
+        """A model known by its config (``PretrainedConfig``, ``config.json`` dict or ModelSpec) only."""
+        spec = config if isinstance(config, ModelSpec) else ModelSpec.from_config(config, dtype=dtype)
+        name = getattr(config, "_name_or_path", None) or (config.get("_name_or_path") if isinstance(config, dict)
+                                                           else None) or spec.name
+        return cls(spec, name, torch.device(device), spec.dtype)
+
+
+def hardware_for(model, config: MagicDecConfig, spec=None):
+    """``(HardwareSpec, description)`` the planner uses for this model (see the module docstring)."""
+    return device_hardware(Target.of(model), config)
+
+
+def device_hardware(target: Target, config: MagicDecConfig):
+    """``(HardwareSpec, description)`` for ``target``: ``config.hardware``, else the cached
+    calibration of this model on this device and dtype, else the preset matching the device."""
     if config.hardware is not None:
         return get_hardware(config.hardware), config.hardware
-    device = next(model.parameters()).device
+    device = target.device
     try:
-        spec = spec if spec is not None else ModelSpec.from_config(model.config, dtype=model.dtype)
-        name = getattr(model.config, "_name_or_path", None) or spec.name
-        cal = load_calibration(name, spec, device, model.dtype)
+        cal = load_calibration(target.name, target.spec, device, target.dtype)
         if cal is not None:
             return cal.hardware(), f"calibrated {cal.device}"
     except Exception as exc:  # a broken cache file must never break generate
@@ -101,31 +135,38 @@ def _first_valid(config: MagicDecConfig, changes: dict) -> MagicDecConfig | None
 
 
 def resolve(config: MagicDecConfig, model, batch: int, prompt_len: int, new_tokens: int,
-            draft_model=None, captured: bool | None = None) -> Resolution:
+            draft_model=None, captured: bool | None = None, describe: bool = False) -> Resolution:
     """Fill the ``"auto"`` fields of ``config`` for this workload (see module docstring).
 
     With a separate ``draft_model``, its candidates (each view on *its* cache) are planned; when
     ``draft``, ``draft_budget`` and ``gamma`` are all ``"auto"``, self-speculation competes too and
     may win (``Resolution.use_draft_model`` is then False). ``captured``: whether the call's steps
     run compiled (``generate`` decides it once); None: decided from ``config.compile`` and the
-    model's generation config."""
+    model's generation config. ``describe``: also plan a configuration the planner chooses nothing
+    for (``hf_magicdec.plan``); ``generate`` then runs it without a plan. The returned plan is always
+    the plan of what runs (:func:`_as_run`)."""
     if config.is_resolved and config.draft_weights == AUTO:
         # View, budget and γ all explicit: the planner chooses nothing, so neither the weights
         # (an explicit configuration decodes the same way on every call, seeded sampling included).
         config = config.replace(draft_weights="full")
-    if config.is_resolved and not config.adaptive:
+    explicit = config.is_resolved and not config.adaptive
+    if explicit and not describe:
         return Resolution(config)
 
-    spec = ModelSpec.from_config(model.config, dtype=model.dtype)
-    hardware, where = hardware_for(model, config, spec)
-    hardware = with_tp_degree(hardware, model)  # a tensor-parallel model plans as a TP group
+    target = model if isinstance(model, Target) else Target.of(model)
+    spec = target.spec
+    hardware, where = device_hardware(target, config)
+    if target.tp > 1 and hardware.tp == 1:
+        hardware = hardware.with_tp(target.tp)  # a tensor-parallel model plans as a TP group
     # Eager steps pay host time per layer on a GPU; captured ones (compile=) do not.
     if captured is None:
-        captured = compile_config_for(config.compile, model.generation_config, next(model.parameters()).device) \
-            is not None
+        captured = compile_config_for(config.compile, target.generation_config or GenerationConfig(),
+                                      target.device) is not None
     hardware = hardware.replace(captured=captured)
 
-    kwargs = _search_space(config, model, draft_model, captured, batch, prompt_len, new_tokens, hardware)
+    kwargs = search_space(config, target, draft_model, captured, batch, prompt_len, new_tokens, hardware)
+    if explicit:
+        return Resolution(config, _explicit_plan(config, spec, kwargs), use_draft_model=draft_model is not None)
     p = search_plan(spec, **kwargs)
     use_draft_model = p.draft_model is not None
     if config.planner_may_decline and (not p.speculate or p.draft is None):
@@ -145,6 +186,7 @@ def resolve(config: MagicDecConfig, model, batch: int, prompt_len: int, new_toke
     resolved = _first_valid(config, changes)
     if resolved is None:  # nothing fits the explicit fields (e.g. a budget too small for any γ)
         return Resolution(None, p, use_draft_model=False)
+    p = _as_run(p, resolved, spec, kwargs)
     log.info("hf_magicdec planner (%s): %s budget %s gamma %s, predicted %.2fx", where, resolved.draft_name,
              resolved.draft_budget, resolved.gamma, p.predicted_speedup)
     if not resolved.adaptive:
@@ -153,13 +195,17 @@ def resolve(config: MagicDecConfig, model, batch: int, prompt_len: int, new_toke
     return Resolution(resolved, p, *_step_ratios(spec, hardware, batch, p, resolved, drafter), use_draft_model)
 
 
-def _search_space(config: MagicDecConfig, model, draft_model, captured: bool, batch: int, prompt_len: int,
-                  new_tokens: int, hardware) -> dict[str, Any]:
+def search_space(config: MagicDecConfig, target: Target | None, draft_model, captured: bool, batch: int, prompt_len: int,
+                 new_tokens: int, hardware) -> dict[str, Any]:
     """The planner's search (:func:`~hf_magicdec.planner.search_plan` keywords) for ``config``: its
     views or candidates, the budgets and γ it leaves open, the draft weights this device can run,
-    α as measured by earlier generations of ``model`` or the prior."""
+    α as measured by earlier generations of the target's model (``config.acceptance_memory``) or
+    the prior. ``target`` None: a config on a named preset (full-precision draft weights only)."""
+    model = target.model if target is not None else None
 
     def prior_or_observed(draft, budget, context):
+        if not config.acceptance_memory or model is None:  # the default: the same inputs plan alike on every call
+            return default_acceptance(draft, budget, context)
         key = draft_key(draft.split(":", 1)[1], draft_model) if draft.startswith("model:") else draft
         seen = observed_acceptance(model, key, budget)
         return seen if seen is not None else default_acceptance(draft, budget, context)
@@ -173,9 +219,10 @@ def _search_space(config: MagicDecConfig, model, draft_model, captured: bool, ba
         kwargs["gammas"] = (config.gamma,) if config.gamma > 0 else (1,)
     else:
         kwargs["gammas"] = tuple(range(1, config.max_gamma + 1))
-    kwargs["draft_weights"] = _weight_candidates(config, model, draft_model, captured)
+    kwargs["draft_weights"] = _weight_candidates(config, target, draft_model, captured)
     if draft_model is not None:
-        kwargs["draft_model"] = ModelSpec.from_config(draft_model.config, dtype=draft_model.dtype)
+        kwargs["draft_model"] = (ModelSpec.from_config(draft_model.config, dtype=draft_model.dtype)
+                                 if hasattr(draft_model, "parameters") else draft_model)
         kwargs["self_speculation"] = config.planner_may_decline and config.view is None
         own = {v.name: v for v in config.candidates}  # the candidates' options apply to the draft model's cache too
         kwargs["draft_model_drafts"] = ((config.view,) if config.view is not None else
@@ -195,15 +242,63 @@ def _step_ratios(spec, hardware, batch: int, p, resolved: MagicDecConfig, drafte
     return draft_ratio, verify_ratio
 
 
-def _weight_candidates(config: MagicDecConfig, model, draft_model, captured: bool) -> tuple[str, ...]:
+def _weight_candidates(config: MagicDecConfig, target: Target | None, draft_model, captured: bool) -> tuple[str, ...]:
     """Draft weights the planner weighs: the explicit one, or for ``"auto"`` full precision and the
     quantized formats this model and device can run (self-drafting only; a CPU twin runs eagerly,
-    so not when the steps are captured)."""
+    so not when the steps are captured; a config without weights: the device's formats)."""
     if config.draft_weights != AUTO:
         return (config.draft_weights,)
-    if draft_model is not None or config.draft_name == "full" or config.gamma == 0 or captured:
+    if target is None or draft_model is not None or config.draft_name == "full" or config.gamma == 0 or captured:
         return ("full",)
-    return ("full", *feasible_formats(model, next(model.parameters()).device))
+    if target.model is None:
+        return ("full", *supported_formats(target.device))
+    return ("full", *feasible_formats(target.model, target.device))
+
+
+def _as_run(p, resolved: MagicDecConfig, spec, kwargs: dict):
+    """The plan of what the call runs: the search's best when that is what runs (``speculate`` True:
+    the call speculates even where the planner may not decline and predicts no gain); else the
+    estimate of the nearest choice the explicit settings allowed."""
+    ran = (resolved.draft_name, resolved.draft_budget, resolved.gamma, resolved.draft_weights)
+    if resolved.gamma == 0:
+        return dataclasses.replace(p, speculate=False, gamma=0, draft=ran[0], draft_budget=ran[1], draft_weights="full",
+                                   predicted_speedup=1.0, reason="gamma=0: plain decoding on MagicDec's cache (no draft)")
+    if p.draft is None:  # no budget below the prompt: the view holds it whole, as the defaults say
+        return dataclasses.replace(p, speculate=True, draft=ran[0], draft_budget=ran[1], gamma=ran[2],
+                                   draft_weights=ran[3], reason=f"speculating as asked, though {p.reason}")
+    if (p.draft, p.draft_budget, p.gamma, p.draft_weights) != ran and not p.draft_model:
+        pinned = dict(kwargs, drafts=(resolved.view,), budgets=(resolved.draft_budget,),
+                      gammas=(max(resolved.gamma, 1),), draft_weights=(resolved.draft_weights,), min_speedup=0.0)
+        pinned.pop("draft_model", None), pinned.pop("draft_model_drafts", None), pinned.pop("self_speculation", None)
+        nearest = search_plan(spec, **pinned)
+        if nearest.draft is not None:
+            reason = (f"the explicit settings rule out the planner's best ({p.draft}/{p.draft_budget} γ={p.gamma}, "
+                      f"{p.predicted_speedup:.2f}x); the nearest they allow")
+            return dataclasses.replace(nearest, reason=reason, runner_ups=p.runner_ups)
+    if not p.speculate:
+        reason = f"speculating as asked (draft_budget or gamma set), though {p.reason}"
+        return dataclasses.replace(p, speculate=True, reason=reason)
+    return p
+
+
+def _explicit_plan(config: MagicDecConfig, spec, kwargs: dict):
+    """The plan of a configuration with nothing left to choose: its own estimate (it runs whatever
+    that predicts; ``gamma=0`` decodes plainly on MagicDec's cache)."""
+    view = config.view
+    pinned = dict(kwargs, drafts=(view,), budgets=(config.draft_budget,), gammas=(max(config.gamma, 1),),
+                  draft_weights=(config.draft_weights,), min_speedup=0.0)
+    if "draft_model" in pinned:
+        pinned.update(draft_model_drafts=(view,), self_speculation=False)
+    p = search_plan(spec, **pinned)
+    if config.gamma == 0:
+        return dataclasses.replace(p, speculate=False, gamma=0, predicted_speedup=1.0,
+                                   reason="gamma=0: plain decoding on MagicDec's cache (no draft)")
+    if p.draft is None:  # the budget holds the whole prompt: the search has no candidate, the call runs it
+        return dataclasses.replace(p, speculate=True, draft=view.name, draft_budget=config.draft_budget,
+                                   gamma=config.gamma, draft_weights=config.draft_weights,
+                                   reason=f"explicit settings, run as given ({p.reason})")
+    return dataclasses.replace(p, speculate=True, reason=f"explicit settings, run as given (predicted "
+                                                         f"{p.predicted_speedup:.2f}x)")
 
 
 def _left_to_planner(config: MagicDecConfig, field: str) -> bool:

@@ -45,3 +45,40 @@ def test_cli_is_the_plan_subcommand():
     from hf_magicdec_bench.cli import COMMANDS
 
     assert COMMANDS["plan"][0] == cli.__name__
+
+
+def test_presets_listed_without_torch_are_the_planners():
+    from hf_magicdec.planner import HARDWARE_PRESETS
+
+    assert set(cli.PRESETS) == set(HARDWARE_PRESETS)
+
+
+def test_help_answers_without_importing_torch():
+    import subprocess
+    import sys
+
+    code = ("import sys\nfrom hf_magicdec_bench import cli\n"
+            "try:\n    cli.main(['plan', '--help'])\nexcept SystemExit:\n    pass\n"
+            "assert 'torch' not in sys.modules, 'plan --help imported torch'\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "--draft-weights" in done.stdout and "what-if" in done.stdout
+
+
+def test_default_plan_is_generates_plan_on_this_device(tmp_path, capsys):
+    """Without what-if options the CLI prints hf_magicdec.plan's plan for the model on the CPU (its
+    draft weights included), with the grid inside the model's positions."""
+    import hf_magicdec
+
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({**QWEN, "max_position_embeddings": 4096}))
+    assert cli.main(["--model", str(config), "--device", "cpu", "--no-calibrate", "--json", "--batch", "4",
+                     "--new-tokens", "64", "--grid-batches", "1"]) == 0
+    shown = json.loads(capsys.readouterr().out)
+    assert shown["prompt_len"] == 4096 - 64 and shown["what_if"] is False and shown["device"] == "cpu"
+    want = hf_magicdec.plan(QWEN, device="cpu", hardware="cpu", batch_size=4, prompt_len=4096 - 64, new_tokens=64)
+    assert (shown["speculate"], shown["draft"], shown["draft_budget"], shown["gamma"], shown["draft_weights"]) == \
+        (want.speculate, want.draft, want.draft_budget, want.gamma, want.draft_weights)
+    assert cli.main(["--model", str(config), "--device", "cpu", "--no-calibrate", "--acceptance", "0.9", "--json",
+                     "--grid-batches", "1"]) == 0
+    assert json.loads(capsys.readouterr().out)["what_if"] is True

@@ -162,7 +162,13 @@ def _specs():
 
 
 def test_planner_weighs_the_draft_model_against_self_speculation():
-    from hf_magicdec import plan  # the costmodel's, with view names resolved
+    from hf_magicdec.planner import search_plan
+    from hf_magicdec.views import get_view
+
+    def plan(spec, **kwargs):  # the search, with the default views
+        return search_plan(spec, drafts=(get_view("streamingllm"), get_view("snapkv")),
+                           draft_model_drafts=(get_view("full"), get_view("streamingllm"), get_view("snapkv")),
+                           **kwargs)
 
     target, small = _specs()
     workload = dict(batch_size=4, prompt_len=8192, new_tokens=256, hardware="h100")

@@ -97,7 +97,7 @@ def test_top_level_plan_uses_the_models_device_model(tiny_models):
     model = tiny_models("llama-gqa3")
     p = hf_magicdec.plan(model, batch_size=4, prompt_len=2048, new_tokens=64)
     assert p.hardware.startswith("cpu") and p.batch_size == 4
-    q = hf_magicdec.plan(model.config, batch_size=4, prompt_len=2048, new_tokens=64, budgets=(256,))
+    q = hf_magicdec.plan(model.config, batch_size=4, prompt_len=2048, new_tokens=64, draft_budget=256)
     assert q.hardware.startswith("H100") and all(e.draft_budget == 256 for e in q.runner_ups)
 
 

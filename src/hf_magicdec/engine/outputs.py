@@ -44,9 +44,10 @@ class SpeculationStats:
     plan : dict or None
         The planner's decision (:class:`hf_magicdec.planner.Plan` as a dict) when fields were
         left ``"auto"``.
-    prefill_seconds, decode_seconds, draft_seconds, verify_seconds : float
+    prefill_seconds, decode_seconds, draft_seconds, verify_seconds : float or None
         Wall-clock split (host timers; on CUDA only meaningful with ``HF_MAGICDEC_PROFILE=1``,
-        which synchronises the device at each boundary).
+        which synchronises the device at each boundary). None when not measured: a call the
+        planner sent to stock decoding.
     """
 
     accepted_lengths: list[list[int]] = field(default_factory=list)
@@ -57,10 +58,10 @@ class SpeculationStats:
     draft_weights: str = "full"
     draft_weight_bytes: int = 0
     steps: int = 0
-    prefill_seconds: float = 0.0
-    decode_seconds: float = 0.0
-    draft_seconds: float = 0.0
-    verify_seconds: float = 0.0
+    prefill_seconds: float | None = 0.0
+    decode_seconds: float | None = 0.0
+    draft_seconds: float | None = 0.0
+    verify_seconds: float | None = 0.0
     row_gammas: list[list[int]] = field(default_factory=list)
     gamma_trace: list[int] = field(default_factory=list)
     adaptive_gamma: bool = False
@@ -103,8 +104,13 @@ class SpeculationStats:
                 counts[n] += 1
         return counts
 
-    def summary(self) -> dict:
-        """A flat dict for logs and benchmark rows."""
+    @property
+    def speculated(self) -> bool:
+        """Whether the engine ran (False: the planner sent the call to stock decoding)."""
+        return self.decode_seconds is not None
+
+    def as_dict(self) -> dict:
+        """A flat dict for logs and benchmark rows (timings None when not measured)."""
         return {
             "draft": self.draft,
             "draft_budget": self.draft_budget,
@@ -124,6 +130,25 @@ class SpeculationStats:
             "draft_seconds": self.draft_seconds,
             "verify_seconds": self.verify_seconds,
         }
+
+    def summary(self) -> str:
+        """What the call did, in a few readable lines (``as_dict()`` for the numbers)."""
+        if not self.speculated:
+            reason = (self.plan or {}).get("reason", "")
+            return f"plain decoding with stock generate (the planner's choice{': ' + reason if reason else ''}); " \
+                   "timings not measured"
+        weights = "" if self.draft_weights == "full" else f", {self.draft_weights} draft weights"
+        drafter = f" on draft model {self.draft_model}" if self.draft_model else ""
+        gamma = f"gamma adaptive (start {self.gamma}, mean {self.mean_gamma:.2f})" if self.adaptive_gamma \
+            else f"gamma {self.gamma}"
+        lines = [f"{self.draft}/{self.draft_budget}{drafter}{weights}, {gamma}",
+                 f"{self.steps} verification steps: acceptance {self.acceptance_rate:.3f}, "
+                 f"{self.tokens_per_step:.2f} tokens per row and step, accepted drafts per step {self.histogram()}"]
+        if self.refreshes:
+            lines.append(f"view re-selected {self.refreshes} times")
+        lines.append(f"prefill {self.prefill_seconds:.2f} s, decode {self.decode_seconds:.2f} s "
+                     f"(draft {self.draft_seconds:.2f} s, verify {self.verify_seconds:.2f} s)")
+        return "\n".join(lines)
 
 
 @dataclass

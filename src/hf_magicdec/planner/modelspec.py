@@ -108,7 +108,7 @@ class ModelSpec:
         for name in ("layers", "hidden", "heads", "kv_heads", "head_dim", "intermediate", "vocab"):
             check_int(name, getattr(self, name))
         if self.heads % self.kv_heads:
-            raise ValueError(f"kv_heads must divide heads, got {self.heads=} and {self.kv_heads=}.")
+            raise ValueError(f"kv_heads must divide heads, got heads={self.heads} and kv_heads={self.kv_heads}.")
         object.__setattr__(self, "dtype", canonical_dtype(self.dtype))
         if self.kv_dtype is not None:
             object.__setattr__(self, "kv_dtype", canonical_dtype(self.kv_dtype))

@@ -77,7 +77,8 @@ class Plan:
     ----------
     speculate : bool
         False when no candidate beats plain decoding (predicted speedup below
-        ``min_speedup``): use plain ``generate``.
+        ``min_speedup``): use plain ``generate``. In the plan of a call
+        (:func:`hf_magicdec.plan`, ``out.speculation.plan``): whether the call speculates.
     draft, draft_budget, gamma :
         Best candidate (``None`` when there was no candidate at all, e.g. a prompt shorter than
         every budget).
@@ -152,6 +153,9 @@ class Plan:
         lines.append(f"{verdict}: {self.reason}")
         drafter = f" on draft model {self.draft_model}" if self.draft_model else ""
         drafter += f" with {self.draft_weights} weights" if self.draft_weights != "full" else ""
+        if self.acceptance is None:  # chosen without an estimate (the view holds the whole prompt)
+            lines.append(f"runs: draft={self.draft}{drafter} budget={self.draft_budget} gamma={self.gamma}")
+            return "\n".join(lines)
         lines.append(f"best: draft={self.draft}{drafter} budget={self.draft_budget} gamma={self.gamma}  "
                      f"alpha={self.acceptance:.3f}  tokens/step={self.tokens_per_step:.2f}  "
                      f"predicted speedup {self.predicted_speedup:.2f}x")

@@ -138,6 +138,17 @@ class DraftView:
             return False
         return True
 
+    def bounded_budget(self, budget: int, gamma: int, context: int) -> int:
+        """``budget``, or, when it exceeds the ``context`` a call can ever hold (prompt slots + new
+        tokens), the smallest budget from ``context`` up that this view accepts: a view that large
+        already holds every token, so a larger one only allocates memory."""
+        if budget <= context:
+            return budget
+        bounded = context
+        while bounded < budget and not self.fits(bounded, gamma):
+            bounded += 1
+        return bounded
+
     def static_slots(self, budget: int, prompt_len: int) -> int:
         """Number of statically selected tokens per row and KV head."""
         raise NotImplementedError

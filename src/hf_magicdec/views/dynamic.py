@@ -159,11 +159,11 @@ class Dynamic(DraftView):
     def __post_init__(self) -> None:
         require_int("sink_tokens", self.sink_tokens)
         if self.sink_tokens < 0:
-            raise ValueError(f"sink_tokens must be >= 0, got {self.sink_tokens=}.")
+            raise ValueError(f"sink_tokens must be >= 0, got sink_tokens={self.sink_tokens}.")
         if not is_int(self.page_size) or self.page_size < 1:
-            raise ValueError(f"page_size must be a positive int, got {self.page_size=!r}.")
+            raise ValueError(f"page_size must be a positive int, got page_size={self.page_size!r}.")
         if self.recent_window is not None and (not is_int(self.recent_window) or self.recent_window < 1):
-            raise ValueError(f"recent_window must be a positive int or None, got {self.recent_window=!r}.")
+            raise ValueError(f"recent_window must be a positive int or None, got recent_window={self.recent_window!r}.")
 
     def _recent(self, budget: int) -> int:
         return self.recent_window if self.recent_window is not None else budget // 4

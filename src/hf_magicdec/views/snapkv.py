@@ -78,11 +78,11 @@ class SnapKV(DraftView):
         require_int("window", self.window)
         require_int("pool_kernel", self.pool_kernel)
         if self.recent_window is not None and (not is_int(self.recent_window) or self.recent_window < 1):
-            raise ValueError(f"recent_window must be a positive int or None, got {self.recent_window=!r}.")
+            raise ValueError(f"recent_window must be a positive int or None, got recent_window={self.recent_window!r}.")
         if self.window < 1:
-            raise ValueError(f"window must be >= 1, got {self.window=}.")
+            raise ValueError(f"window must be >= 1, got window={self.window}.")
         if self.pool_kernel < 1 or self.pool_kernel % 2 == 0:
-            raise ValueError(f"pool_kernel must be a positive odd int, got {self.pool_kernel=}.")
+            raise ValueError(f"pool_kernel must be a positive odd int, got pool_kernel={self.pool_kernel}.")
 
     def check(self, budget: int, gamma: int) -> None:
         check_sizes(budget, gamma)

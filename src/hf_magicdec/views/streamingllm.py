@@ -28,7 +28,7 @@ class StreamingLLM(DraftView):
     def __post_init__(self) -> None:
         require_int("sink_tokens", self.sink_tokens)
         if self.sink_tokens < 0:
-            raise ValueError(f"sink_tokens must be >= 0, got {self.sink_tokens=}.")
+            raise ValueError(f"sink_tokens must be >= 0, got sink_tokens={self.sink_tokens}.")
 
     def check(self, budget: int, gamma: int) -> None:
         check_sizes(budget, gamma)

@@ -93,7 +93,7 @@ def run_reuse(spec: BenchSpec, questions: int, progress: bool = True) -> tuple[l
             prefill_saved_s=uncached - ours.prefill_s, decode_speedup=stock.decode_s / max(ours.decode_s, 1e-9),
             acceptance_rate=ours.speculation.acceptance_rate if ours.speculation is not None else 0.0,
             identical=torch.equal(stock.sequences, ours.sequences),
-            label=f"{config.draft}/{config.draft_budget} g{config.gamma} {config.draft_weights}",
+            label=f"{config.draft_name}/{config.draft_budget} g{config.gamma} {config.draft_weights}",
         ))
     return rows, environment(device)
 
