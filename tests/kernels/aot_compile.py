@@ -34,8 +34,10 @@ SRC = Path(__file__).resolve().parents[2] / "src"
 # Arguments whose every use must be 64-bit: batch and KV-head strides multiply program ids into
 # offsets that pass 2^31 at real sizes (in-tile offsets such as head-in-group x stride_qh stay 32-bit).
 WIDE_ARGS = {
-    "_segment_attention_kernel": ("stride_qb", "stride_kb", "stride_kh", "stride_vb", "stride_vh", "stride_ob"),
+    "_segment_attention_kernel": ("stride_qb", "stride_kb", "stride_kh", "stride_vb", "stride_vh", "stride_ob",
+                                  "mass_blocks"),
     "_merge_splits_kernel": ("stride_ob",),
+    "_page_mass_kernel": ("mass_blocks",),
     "_snapkv_stats_kernel": ("stride_qb", "stride_kb", "stride_kh"),
     "_snapkv_mass_kernel": ("stride_qb", "stride_kb", "stride_kh"),
 }
@@ -71,6 +73,10 @@ BATCHES = (1, 32)
 VERIFY_Q = range(1, 10)  # gamma 0..8
 CONTEXT = 32_768
 DRAFT_BUDGETS = (256, 512, 2048)
+# Verify launches that also emit the attention mass per page: one page size per partial-sum
+# count the kernel compiles (`launch.mass_units`: 4, 2 or 1 per 64-key block; wider pages compile
+# like 64, the block count being a runtime argument).
+MASS_PAGES = (16, 32, 64)
 SNAPKV_WINDOWS = (16, 32)
 PROMPT = 8_192
 
@@ -139,6 +145,8 @@ def launches(device_name: str, full: bool = True):
         _, made = tk.segment_attention_launches(query, key, value, seg, seg, seg, seg, 0.1, softcap, sinks, 0,
                                                 spec)
         yield from ((label, one, None) for one in made)
+        if label.endswith("verify"):
+            yield from mass_launches(label, query, key, value, softcap, sinks, seg, made[0].kwargs["BLOCK_N"], spec)
     for label, queries, keys in snapkv_cases(torch, dtypes):
         reason = launch.snapkv_refusal(queries, keys, spec)
         if reason:
@@ -146,6 +154,24 @@ def launches(device_name: str, full: bool = True):
             continue
         _, made = tk.snapkv_launches(queries, keys, rows[: queries.shape[0]], 0.1, spec)
         yield from ((label, one, None) for one in made)
+
+
+def mass_launches(label, query, key, value, softcap, sinks, seg, block_n: int, spec):
+    """The same verify call emitting the attention mass, for each page size of :data:`MASS_PAGES`
+    that gives a distinct partial-sum count on this plan (the others compile alike)."""
+    launch, tk = _import_kernels()
+    units = set()
+    for page in MASS_PAGES:
+        reason = launch.segment_attention_refusal(query, key, value, spec, page)
+        if reason:
+            yield f"{label} mass{page}", None, reason
+            continue
+        if launch.mass_units(page, block_n) in units:
+            continue
+        units.add(launch.mass_units(page, block_n))
+        _, made = tk.segment_attention_launches(query, key, value, seg, seg, seg, seg, 0.1, softcap, sinks, 0,
+                                                spec, page_size=page)
+        yield from ((f"{label} mass{page}", one, None) for one in made)
 
 
 def estimate(launch_, spec) -> int | None:

@@ -4,8 +4,9 @@ device's shared memory, without register spills for fp16/bf16, and with 64-bit b
 offsets. The grid (tests/kernels/aot_compile.py): Llama-3.1-8B, Qwen2.5-7B (GQA 7), Gemma-2
 (head_dim 256, soft-cap), gpt-oss (sinks, GQA 8, head_dim 64), head_dim 64/80/96; bf16 and fp32
 on every device, fp16 on sm_89 (everywhere with HF_MAGICDEC_AOT_FULL=1); batch 1 and 32; verify
-q = 1..9 on a 32K cache and draft views of budget 256/512/2048 plus scratch; SnapKV scoring with
-windows 16 and 32.
+q = 1..9 on a 32K cache and draft views of budget 256/512/2048 plus scratch; the same verify calls
+emitting the attention mass per page (pages of 16, 32 and 64: each partial-sum count the kernel
+compiles, with the merge and the page-mass epilogue); SnapKV scoring with windows 16 and 32.
 
 The compiles run in a subprocess without Triton's interpreter (this session runs it), two at a
 time, deduplicated by what Triton specialises on; Triton's own cache keeps them between runs.

@@ -87,6 +87,153 @@ def test_segment_attention_half_precision(dtype, tol):
     torch.testing.assert_close(got.double(), _oracle(query, key, value, segments, 0.125), rtol=tol, atol=tol)
 
 
+def _oracle_probs(query, key, segments, scaling, softcap=None, sinks=None):
+    """fp64 probabilities ``[B, H, q, L]`` from the definition: scale, cap, mask, softmax over
+    [keys | sink]; a query that sees nothing gets zeros."""
+    group = query.shape[1] // key.shape[1]
+    scores = query.double() @ key.double().repeat_interleave(group, dim=1).transpose(-1, -2) * scaling
+    if softcap is not None:
+        scores = softcap * torch.tanh(scores / softcap)
+    scores = scores.masked_fill(~segments.mask(query.shape[2], key.shape[2]), float("-inf"))
+    if sinks is not None:
+        sink = sinks.double()[None, :, None, None].expand(*scores.shape[:3], 1)
+        return torch.softmax(torch.cat([scores, sink], -1), -1)[..., :-1]
+    return torch.softmax(scores, -1).nan_to_num(0.0)
+
+
+def _oracle_mass(probs, kv_heads, page_size):
+    """``[B, Hkv, ceil(L / page)]``: the probabilities summed over each KV head's query heads and
+    the query positions, then over each page of absolute key slots."""
+    batch, heads, q_len, length = probs.shape
+    per_key = probs.reshape(batch, kv_heads, heads // kv_heads * q_len, length).sum(2)
+    pages = -(-length // page_size)
+    per_key = torch.nn.functional.pad(per_key, (0, pages * page_size - length))
+    return per_key.reshape(batch, kv_heads, pages, page_size).sum(-1)
+
+
+def _mass_segments(kind, batch, q_len, kv_len, gen):
+    """Verify (range 2 only, ``Segments.causal(pad, lengths + q)``, left padding up to 20 slots, so
+    that it crosses pages and key blocks) or the draft layout (both ranges)."""
+    if kind == "draft":
+        return _segments("draft", batch, q_len, kv_len, gen)
+    pad = torch.randint(0, 21, (batch,), generator=gen)
+    lengths = pad + torch.randint(q_len + 1, kv_len - q_len - 20, (batch,), generator=gen)
+    lengths[0] = kv_len - q_len  # one row fills the cache
+    return Segments.causal(pad, lengths + q_len)
+
+
+MASS_SHAPES = [
+    # batch, group, kv_heads, q, head_dim, kv_len, kind, splits, page, dtype, softcap, sinks
+    (1, 1, 2, 1, 64, 37, "verify", 1, 16, torch.float32, None, False),
+    (5, 3, 2, 5, 64, 83, "verify", 2, 16, torch.float32, None, False),
+    (3, 7, 1, 5, 64, 149, "verify", None, 64, torch.float32, None, False),
+    (1, 8, 1, 5, 128, 131, "verify", 3, 64, torch.float32, None, True),
+    (2, 8, 1, 1, 64, 70, "verify", 1, 16, torch.float32, 30.0, True),
+    (2, 3, 2, 5, 64, 97, "verify", 2, 64, torch.float32, 20.0, False),
+    (2, 3, 2, 1, 128, 70, "draft", 1, 16, torch.float32, None, False),
+    (5, 8, 1, 1, 64, 45, "draft", 2, 64, torch.float32, None, True),
+    (3, 7, 1, 5, 64, 97, "draft", 2, 16, torch.float32, 30.0, False),
+    # 16-bit: 64-key blocks, so a block holds 4 pages of 16 (several partial sums per block) or one of 64.
+    (3, 3, 2, 5, 64, 150, "verify", 2, 16, torch.bfloat16, None, False),
+    (2, 8, 1, 5, 64, 130, "verify", 1, 64, torch.bfloat16, 30.0, True),
+    (2, 7, 1, 1, 64, 101, "verify", 1, 32, torch.bfloat16, None, False),
+    (3, 1, 2, 5, 128, 141, "draft", 3, 16, torch.bfloat16, None, True),
+    (1, 3, 2, 5, 64, 200, "verify", 3, 128, torch.float16, None, False),
+]
+
+
+@pytest.mark.parametrize("batch,group,kv_heads,q_len,head_dim,kv_len,kind,splits,page,dtype,softcap,has_sinks",
+                         MASS_SHAPES)
+def test_attention_mass_per_page_matches_oracle_and_twin(batch, group, kv_heads, q_len, head_dim, kv_len, kind,
+                                                         splits, page, dtype, softcap, has_sinks):
+    """``page_size > 0``: the Triton kernel (one split and several) and the twin return the same
+    output as without it and the attention mass per page of the fp64 oracle: its probabilities
+    (soft-capped, sinks in the denominator) summed over each KV head's query heads and positions.
+    Each query's probabilities add up to 1 less its sink share; pages outside a row's ranges get
+    exactly 0."""
+    gen = torch.Generator().manual_seed(batch * 1000 + group * 100 + kv_len + page)
+    heads = kv_heads * group
+    query = torch.randn(batch, q_len, heads, head_dim, generator=gen).to(dtype).transpose(1, 2)
+    key = torch.randn(batch, kv_heads, kv_len, head_dim, generator=gen).to(dtype)
+    value = torch.randn(batch, kv_heads, kv_len, head_dim, generator=gen).to(dtype)
+    sinks = torch.randn(heads, generator=gen) if has_sinks else None
+    segments = _mass_segments(kind, batch, q_len, kv_len, gen)
+    scale = head_dim**-0.5
+    probs = _oracle_probs(query, key, segments, scale, softcap, sinks)
+    want_out = (probs @ value.double().repeat_interleave(group, dim=1)).transpose(1, 2)
+    want = _oracle_mass(probs, kv_heads, page)
+    out, mass = tk.segment_attention(query, key, value, segments, scale, softcap, sinks, num_splits=splits,
+                                     page_size=page)
+    twin_out, twin_mass = reference.segment_attention(query, key, value, segments, scale, softcap, sinks, page)
+    assert mass.shape == twin_mass.shape == (batch, kv_heads, -(-kv_len // page)) and mass.dtype == torch.float32
+    assert out.shape == twin_out.shape == (batch, q_len, heads, head_dim) and out.dtype == dtype
+    # The kernel's probabilities are fp32 whatever the input dtype; the twin's bf16 logits are not.
+    half = dtype != torch.float32
+    torch.testing.assert_close(mass.double(), want, rtol=1e-5, atol=2e-6)
+    torch.testing.assert_close(twin_mass.double(), want, rtol=1e-2 if half else 1e-5, atol=5e-3 if half else 2e-6)
+    tol = {"rtol": 2e-2, "atol": 2e-2} if half else {"rtol": 1e-5, "atol": 2e-6}
+    torch.testing.assert_close(out.double(), want_out, **tol)
+    torch.testing.assert_close(twin_out.double(), want_out, **tol)
+    torch.testing.assert_close(out, tk.segment_attention(query, key, value, segments, scale, softcap, sinks,
+                                                         num_splits=splits), rtol=0, atol=1e-2 if half else 1e-6)
+    # Each query's probabilities sum to 1 less its sink's share: g * q per KV head without sinks.
+    rows = probs.sum(-1).reshape(batch, kv_heads, group * q_len).sum(-1)
+    torch.testing.assert_close(mass.sum(-1).double(), rows, rtol=1e-5, atol=1e-5)
+    if not has_sinks:
+        torch.testing.assert_close(mass.sum(-1), torch.full_like(mass[..., 0], group * q_len), rtol=1e-5, atol=1e-5)
+    # Pages no query of the row sees hold exactly 0 (unwalked key blocks included).
+    seen = segments.mask(q_len, kv_len)[:, 0].any(1)
+    seen = torch.nn.functional.pad(seen, (0, mass.shape[-1] * page - kv_len)).reshape(batch, -1, page).any(-1)
+    assert (mass[~seen[:, None, :].expand_as(mass)] == 0).all()
+
+
+def test_attention_mass_pages_and_splits_agree():
+    """The same call at every page size the kernel takes and split count: pages of 16 added up in
+    fours are the pages of 64, and one split or four give the same mass."""
+    gen = torch.Generator().manual_seed(9)
+    query = torch.randn(2, 12, 5, 64, generator=gen).bfloat16()
+    key = torch.randn(2, 2, 300, 64, generator=gen).bfloat16()
+    segments = _mass_segments("verify", 2, 5, 300, gen)
+    by_page = {}
+    for page, splits in ((16, 1), (16, 4), (32, 2), (64, 1), (64, 4), (256, 3)):
+        _, mass = tk.segment_attention(query, key, key, segments, 0.125, num_splits=splits, page_size=page)
+        if page in by_page:
+            torch.testing.assert_close(mass, by_page[page], rtol=1e-5, atol=1e-6)
+        by_page[page] = mass
+    for page in (32, 64, 256):
+        fine = torch.nn.functional.pad(by_page[16], (0, by_page[page].shape[-1] * page // 16 - by_page[16].shape[-1]))
+        torch.testing.assert_close(fine.reshape(2, 2, -1, page // 16).sum(-1), by_page[page], rtol=1e-5, atol=1e-5)
+
+
+def test_mass_page_sizes_the_kernel_cannot_serve_take_the_twin(monkeypatch, caplog):
+    """Page sizes that are not powers of two >= 16 go to the twin with one log line; the kernel's
+    own entry point refuses them; ``page_size=0`` keeps the single-output contract."""
+    monkeypatch.setenv(kernels.ENV_VAR, "triton")
+    monkeypatch.setattr(kernels, "_LOGGED", set())
+    gen = torch.Generator().manual_seed(5)
+    query, key = torch.randn(2, 6, 3, 32, generator=gen), torch.randn(2, 2, 50, 32, generator=gen)
+    segments = _mass_segments("verify", 2, 3, 50, gen)
+    assert launch.mass_refusal(16) is None and launch.mass_refusal(1024) is None
+    with caplog.at_level("WARNING", logger="hf_magicdec"):
+        for page in (48, 48, 8):
+            out, mass = kernels.segment_attention(query, key, key, segments, 0.2, page_size=page)
+            want_out, want_mass = reference.segment_attention(query, key, key, segments, 0.2, page_size=page)
+            torch.testing.assert_close(mass, want_mass)
+            torch.testing.assert_close(out, want_out)
+    logs = _fallback_logs(caplog)
+    assert len(logs) == 2 and "48 keys" in logs[0] and "8 keys" in logs[1]
+    with pytest.raises(ValueError, match="powers of two"):
+        tk.segment_attention(query, key, key, segments, 0.2, page_size=24)
+    with pytest.raises(ValueError, match="page_size must be >= 0"):
+        kernels.segment_attention(query, key, key, segments, 0.2, page_size=-1)
+    calls = []
+    original = tk.segment_attention
+    monkeypatch.setattr(tk, "segment_attention", lambda *a, **k: calls.append(k) or original(*a, **k))
+    out, mass = kernels.segment_attention(query, key, key, segments, 0.2, page_size=16)  # served by the kernel
+    assert calls == [{"page_size": 16}] and mass.shape == (2, 2, 4)
+    assert isinstance(kernels.segment_attention(query, key, key, segments, 0.2), torch.Tensor)
+
+
 @pytest.mark.parametrize(
     "batch,group,kv_heads,window,head_dim,slots,dtype",
     [(1, 1, 2, 8, 64, 37, torch.float32), (5, 3, 2, 8, 64, 90, torch.float32), (2, 7, 1, 32, 128, 131, torch.float32),
@@ -228,6 +375,67 @@ def test_kernels_are_custom_ops_that_compile_without_graph_breaks():
     torch.testing.assert_close(got[1], want[1])
     code = "\n".join(g.code for g in seen)
     assert len(seen) == 1 and "hf_magicdec.segment_attention" in code and "hf_magicdec.snapkv_mass" in code
+
+
+def test_the_mass_op_compiles_without_graph_breaks():
+    """``page_size > 0`` goes through the same ``hf_magicdec::segment_attention`` operator, its
+    second output the mass: a ``fullgraph=True`` compile traces it (fake implementation of both
+    outputs) and computes what eager computes."""
+    import torch._dynamo
+
+    gen = torch.Generator().manual_seed(6)
+    query = torch.randn(2, 6, 5, 64, generator=gen)
+    key = torch.randn(2, 2, 90, 64, generator=gen)
+    segments = _mass_segments("verify", 2, 5, 90, gen)
+    sinks = torch.randn(6, generator=gen)
+
+    def verify(q, k):
+        out, mass = tk.segment_attention(q, k, k, segments, 0.125, sinks=sinks, page_size=16)
+        return out, mass / 2
+
+    seen = []
+
+    def backend(graph, inputs):
+        seen.append(graph)
+        return graph.forward
+
+    torch._dynamo.reset()
+    got = torch.compile(verify, backend=backend, fullgraph=True)(query, key)
+    want = verify(query, key)
+    torch.testing.assert_close(got[0], want[0])
+    torch.testing.assert_close(got[1], want[1])
+    assert got[1].shape == (2, 2, 6)
+    assert len(seen) == 1 and "hf_magicdec.segment_attention" in seen[0].code
+    with torch._subclasses.fake_tensor.FakeTensorMode():  # the fake implementation's shapes
+        fake = torch.ops.hf_magicdec.segment_attention(torch.empty(3, 8, 4, 64), torch.empty(3, 2, 100, 64),
+                                                       torch.empty(3, 2, 100, 32), *(torch.empty(3, dtype=torch.int32),) * 4,
+                                                       0.1, None, None, 0, 32)
+        assert fake[0].shape == (3, 4, 8, 32) and fake[1].shape == (3, 2, 4) and fake[1].dtype == torch.float32
+
+
+def test_mass_launches_keep_the_plan_and_the_no_mass_launch():
+    """Asking for the mass changes no tile, warp or stage of the attention (so the AOT test's
+    shared-memory estimate holds), only the ``MASS``/``UNITS`` constexprs, and adds the epilogue;
+    the no-mass launch compiles with ``MASS`` off. The partials are sized for whole pages; their
+    per-program bases are 64-bit (``mass_blocks`` is checked in the TTIR by the AOT test)."""
+    spec = launch.KNOWN_DEVICES["sm_90"]
+    seg = torch.zeros(32, dtype=torch.int32, device="meta")
+    query = torch.empty(32, 32, 5, 128, dtype=torch.bfloat16, device="meta")
+    key = torch.empty(32, 8, 32_773, 128, dtype=torch.bfloat16, device="meta")
+    _, plain = tk.segment_attention_launches(query, key, key, seg, seg, seg, seg, 0.1, None, None, 0, spec)
+    assert plain[0].kwargs["MASS"] is False
+    for page, units in ((16, 4), (32, 2), (64, 1), (128, 1)):
+        _, mass, made = tk._segment_launches(query, key, key, seg, seg, seg, seg, 0.1, None, None, 0, spec, page)
+        *attention, epilogue = made
+        assert [m.grid for m in attention] == [p.grid for p in plain] and epilogue.kernel is tk._page_mass_kernel
+        assert {k: v for k, v in attention[0].kwargs.items() if k not in ("MASS", "UNITS")} == {
+            k: v for k, v in plain[0].kwargs.items() if k not in ("MASS", "UNITS")}
+        assert attention[0].kwargs["UNITS"] == epilogue.kwargs["UNITS"] == units
+        assert all(m.kwargs["MASS"] for m in attention)
+        pages = -(-32_773 // page)
+        blocks = -(-pages * page // 64)
+        assert epilogue.args[0].shape == (32 * 8, blocks, units + 1, 4 * 5)  # U sums and the max per block
+        assert mass.shape == (32, 8, pages) and attention[0].args[attention[0].kernel.arg_names.index("mass_blocks")] == blocks
 
 
 def _served(dtype, head_dim: int, rows: int, spec) -> bool:

@@ -123,22 +123,29 @@ def segment_attention(
     scaling: float,
     softcap: float | None = None,
     sinks: torch.Tensor | None = None,
-) -> torch.Tensor:
+    page_size: int = 0,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """``[B, H, q, D]`` queries over two key ranges per row of ``[B, Hkv, L, D]`` keys/values;
     returns ``[B, q, H, Dv]``. ``softcap``: logit soft-capping; ``sinks``: ``[H]`` sink logits.
-    See :func:`hf_magicdec.kernels.reference.segment_attention`."""
+    ``page_size > 0``: returns ``(out, mass)``, ``mass [B, Hkv, ceil(L / page_size)]`` fp32 the
+    attention mass per page of keys (the Triton kernel emits it for powers of two >= 16; other page
+    sizes take the twin). See :func:`hf_magicdec.kernels.reference.segment_attention`."""
+    if page_size < 0:
+        raise ValueError(f"page_size must be >= 0, got {page_size}.")
     if use_triton(query):
-        refused = _refused_key("segment_attention", query, value, query.shape[1] // key.shape[1] * query.shape[2])
+        name = "segment_attention" + (f" (mass per {page_size}-key page)" if page_size else "")
+        refused = _refused_key(name, query, value, query.shape[1] // key.shape[1] * query.shape[2])
         reason = _REFUSED.get(refused) or launch.segment_attention_refusal(
-            query, key, value, launch.device_spec(query.device))
+            query, key, value, launch.device_spec(query.device), page_size)
         if reason is None:
             kernels = _triton()
             try:
-                return kernels.segment_attention(query, key, value, segments, scaling, softcap, sinks)
+                return kernels.segment_attention(query, key, value, segments, scaling, softcap, sinks,
+                                                 page_size=page_size)
             except kernels.OutOfResources as error:
                 reason = _refuse(refused, error)
         _fall_back(reason)
-    return reference.segment_attention(query, key, value, segments, scaling, softcap, sinks)
+    return reference.segment_attention(query, key, value, segments, scaling, softcap, sinks, page_size)
 
 
 def snapkv_mass(queries: torch.Tensor, keys: torch.Tensor, pad: torch.Tensor, scaling: float) -> torch.Tensor:

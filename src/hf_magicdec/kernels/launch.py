@@ -26,6 +26,8 @@ MAX_HEAD_DIM = 256
 # per-(row, head) base is 64-bit. A tensor whose tile would span 2^31 elements takes the twin.
 INT32_SPAN = 2**31
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+# Narrowest page the segment-attention kernel sums its attention mass over (`mass_refusal`).
+MIN_MASS_PAGE = 16
 
 
 @dataclass(frozen=True)
@@ -206,10 +208,13 @@ def plan_segment_attention(batch: int, kv_heads: int, group: int, q_len: int, he
 
 
 def segment_attention_refusal(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                              spec: DeviceSpec) -> str | None:
+                              spec: DeviceSpec, page_size: int = 0) -> str | None:
     """Why the Triton kernel cannot serve this call on ``spec`` (the twin does), or None.
 
-    ``query [B, H, q, D]``, ``key [B, Hkv, L, D]``, ``value [B, Hkv, L, Dv]``."""
+    ``query [B, H, q, D]``, ``key [B, Hkv, L, D]``, ``value [B, Hkv, L, Dv]``; ``page_size > 0``:
+    the call also asks for the attention mass per page (:func:`mass_refusal`)."""
+    if page_size and mass_refusal(page_size):
+        return mass_refusal(page_size)
     group, q_len = query.shape[1] // key.shape[1], query.shape[2]
     if group * q_len > MAX_PACKED_ROWS:
         return f"packed query tile g*q = {group}*{q_len} > {MAX_PACKED_ROWS} rows"
@@ -222,7 +227,27 @@ def segment_attention_refusal(query: torch.Tensor, key: torch.Tensor, value: tor
     if _segment_tile(block_m, block_d, block_dv, elem, spec) is None:
         return (f"no segment-attention tile for head_dim {query.shape[-1]} in {query.dtype} fits the "
                 f"{spec.shared_memory} B of shared memory of {spec.name}")
+    if page_size:
+        # The mass partials of one program: at most one float per row per 16 keys of whole pages.
+        runs = _cdiv(_cdiv(key.shape[2], page_size) * page_size, MIN_MASS_PAGE)
+        if runs * group * q_len >= INT32_SPAN:
+            return f"mass partials of {runs} x {group * q_len} floats per (row, KV head) span >= 2^31 elements"
     return _span_refusal(query, (key, value), group)
+
+
+def mass_refusal(page_size: int) -> str | None:
+    """Why the kernel cannot emit the attention mass per page of ``page_size`` keys, or None: it
+    takes powers of two from :data:`MIN_MASS_PAGE` (key blocks are powers of two from 16, so a
+    page then never straddles a block: a block holds whole pages, or a page whole blocks)."""
+    if page_size < MIN_MASS_PAGE or page_size & (page_size - 1):
+        return f"attention mass per page of {page_size} keys (the kernel takes powers of two >= {MIN_MASS_PAGE})"
+    return None
+
+
+def mass_units(page_size: int, block_n: int) -> int:
+    """Partial sums the kernel writes per packed row and key block of ``block_n`` keys: one per page
+    when pages are narrower than the block, else one (the epilogue adds up a page's blocks)."""
+    return block_n // min(page_size, block_n)
 
 
 def _common_refusal(query: torch.Tensor, others: tuple[torch.Tensor, ...], spec: DeviceSpec) -> str | None:

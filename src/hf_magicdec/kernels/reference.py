@@ -105,7 +105,8 @@ def segment_attention(
     scaling: float,
     softcap: float | None = None,
     sinks: torch.Tensor | None = None,
-) -> torch.Tensor:
+    page_size: int = 0,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Attention of a short query block over two key ranges per row.
 
     Parameters
@@ -115,13 +116,57 @@ def segment_attention(
     segments : the ranges each row attends to (:class:`Segments`).
     scaling : softmax scale.
     softcap, sinks : logit soft-capping and attention sinks, as in :func:`gqa_attention`.
+    page_size : 0, or also return the attention mass per page of this many keys.
 
     Returns
     -------
-    ``[B, q, H, Dv]`` in the query's dtype.
+    ``out [B, q, H, Dv]`` in the query's dtype; with ``page_size > 0``, ``(out, mass)``, ``mass
+    [B, Hkv, ceil(L / page_size)]`` float32: ``mass[b, h, p]`` sums, over the ``g`` query heads of
+    KV head ``h`` and the ``q`` query positions of row ``b``, the softmax probabilities this
+    attention gives the keys of slots ``[p * page_size, (p + 1) * page_size)`` (after soft-capping,
+    the sink in the denominator): keys outside row ``b``'s ranges get 0, and so does every key
+    from a query that sees none. Computed explicitly (logits ``[B, Hkv, g*q, L]`` in fp32, GQA
+    folded): ``out`` is made from the same probabilities.
     """
+    if page_size < 0:
+        raise ValueError(f"page_size must be >= 0, got {page_size}.")
     mask = segments.to(query.device).mask(query.shape[2], key.shape[2])
-    return gqa_attention(query, key, value, mask, scaling, softcap, sinks)
+    if not page_size:
+        return gqa_attention(query, key, value, mask, scaling, softcap, sinks)
+    batch, heads, q_len, _ = query.shape
+    probs = _probabilities(query, key, mask, scaling, softcap, sinks)  # [B, Hkv, g*q, L] fp32
+    out = torch.matmul(probs.to(value.dtype), value)  # [B, Hkv, g*q, Dv]
+    out = out.reshape(batch, heads, q_len, -1).transpose(1, 2).contiguous()
+    per_key = probs.sum(2)  # [B, Hkv, L]
+    pages = -(-per_key.shape[-1] // page_size)
+    per_key = F.pad(per_key, (0, pages * page_size - per_key.shape[-1]))
+    return out, per_key.view(batch, key.shape[1], pages, page_size).sum(-1)
+
+
+def _probabilities(query, key, mask, scaling, softcap, sinks) -> torch.Tensor:
+    """fp32 softmax probabilities ``[B, Hkv, g*q, L]`` of the folded queries (row ``j*q + i`` of
+    KV head ``kv`` is query head ``kv*g + j`` at position ``i``): scale, cap, mask, softmax with the
+    sink logit in the denominator. A row that sees no key (nor sink) gets zeros, not NaN. One
+    logits buffer, updated in place."""
+    batch, heads, q_len, head_dim = query.shape
+    kv_heads = key.shape[1]
+    group = heads // kv_heads
+    folded = query.reshape(batch, kv_heads, group * q_len, head_dim)
+    logits = torch.matmul(folded, key.transpose(-1, -2)).float().mul_(scaling)
+    if softcap is not None:
+        logits = logits.div_(softcap).tanh_().mul_(softcap)
+    logits = logits.masked_fill_(~_fold_mask(mask, group), float("-inf"))
+    top = logits.amax(dim=-1, keepdim=True)
+    if sinks is not None:
+        sink = sinks.to(logits).reshape(1, kv_heads, group, 1, 1).expand(batch, -1, -1, q_len, 1)
+        sink = sink.reshape(batch, kv_heads, group * q_len, 1)
+        top = torch.maximum(top, sink)
+    top = top.masked_fill_(top == float("-inf"), 0.0)
+    probs = logits.sub_(top).exp_()
+    denom = probs.sum(dim=-1, keepdim=True)
+    if sinks is not None:
+        denom = denom + torch.exp(sink - top)
+    return probs.div_(denom.masked_fill_(denom == 0.0, 1.0))
 
 
 def snapkv_mass(

@@ -11,7 +11,11 @@ Segment attention (flash-decoding layout):
   read once per step whatever the GQA ratio and the number of verified tokens;
 * the key axis is split so that few long rows still fill the GPU; each split keeps an online
   softmax (max, sum, unnormalised output) and a second kernel merges the splits;
-* splits outside a row's key ranges do no work, so ragged rows cost their own length.
+* splits outside a row's key ranges do no work, so ragged rows cost their own length;
+* asked for the attention mass per page (``page_size``), the kernel also writes per packed row and
+  key block the partial sums of its probabilities per page and the running max they are relative
+  to; the row's final max and sum come from it (one split) or the merge, and ``_page_mass_kernel``
+  combines them into the mass per page: no second pass over the keys.
 
 Tile sizes, warps, stages and split counts come from :mod:`hf_magicdec.kernels.launch` (pure
 functions of shapes, dtype and device); ``segment_attention_launches`` / ``snapkv_launches`` turn
@@ -40,7 +44,7 @@ import triton.language as tl
 from torch.library import triton_op, wrap_triton
 from triton.runtime.errors import OutOfResources  # noqa: F401  (caught by the dispatcher)
 
-from .launch import DeviceSpec, device_spec, plan_segment_attention, plan_snapkv
+from .launch import DeviceSpec, device_spec, mass_refusal, mass_units, plan_segment_attention, plan_snapkv
 
 # Triton's interpreter (TRITON_INTERPRET=1, the CPU tests) computes bf16 `tl.dot` wrongly (3.9):
 # there, half-precision tiles are multiplied in fp32; on GPUs they go to the tensor cores.
@@ -51,41 +55,46 @@ _UPCAST_DOTS = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 # (group, KV heads) are not specialised: each new value (or its divisibility by 16) would compile
 # a new variant, mid-generation. Head dims stay specialised (Triton then knows them multiples of
 # 16, so the masked loads along D stay vectorised).
-_SEGMENT_RUNTIME = ["q_len", "group", "kv_heads", "kv_len", "keys_per_split", "num_splits", "has_sinks"]
+_SEGMENT_RUNTIME = ["q_len", "group", "kv_heads", "kv_len", "keys_per_split", "num_splits", "has_sinks",
+                    "mass_blocks"]
 
 
 @triton.jit(do_not_specialize=_SEGMENT_RUNTIME)
 def _segment_attention_kernel(
     Q, K, V, Out, PartO, PartM, PartL, Sinks,
-    Lo1, Hi1, Lo2, Hi2,
+    Lo1, Hi1, Lo2, Hi2, MassP, RowM, RowL,
     stride_qb, stride_qh, stride_qq, stride_qd,
     stride_kb, stride_kh, stride_kl, stride_kd,
     stride_vb, stride_vh, stride_vl, stride_vd,
     stride_ob, stride_oq, stride_oh, stride_od,
     q_len, group, kv_heads, head_d, head_dv, kv_len, keys_per_split, num_splits, has_sinks, scaling, softcap,
+    mass_blocks,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-    IEEE: tl.constexpr, UPCAST: tl.constexpr, SOFTCAP: tl.constexpr,
+    IEEE: tl.constexpr, UPCAST: tl.constexpr, SOFTCAP: tl.constexpr, MASS: tl.constexpr, UNITS: tl.constexpr,
 ):
+    """One (row, KV head, key split). With ``MASS`` it also writes into ``MassP``, per packed row and
+    key block it walks, the partial sums of ``exp(s - m_block)`` over each ``BLOCK_N / UNITS`` keys
+    and the running max ``m_block`` they used (:func:`_store_block_mass`) and, with one split, the
+    row's final max and sum (``RowM``, ``RowL``; the merge kernel writes them with several)."""
     pid_bh = tl.program_id(0)
     pid_s = tl.program_id(1)
     # 64-bit bases: b * stride_kb passes 2^31 once B*Hkv*L*D does (Llama-3.1-8B: batch 64 x 33K
     # slots); offsets inside one (row, head) tile stay 32-bit (the dispatcher checks their span).
     b = (pid_bh // kv_heads).to(tl.int64)
     kvh = (pid_bh % kv_heads).to(tl.int64)
-    # Packed row r serves query head kvh*group + r // q_len at query position r % q_len.
-    rows = tl.arange(0, BLOCK_M)
-    row_ok = rows < group * q_len
-    head_in_group = rows // q_len
-    qi = rows % q_len
+    q, rows, row_ok, head_in_group, qi = _load_queries(Q, b, kvh, q_len, group, head_d, stride_qb, stride_qh,
+                                                       stride_qq, stride_qd, BLOCK_M, BLOCK_D)
     shift = q_len - 1 - qi
     d = tl.arange(0, BLOCK_D)
     dv = tl.arange(0, BLOCK_DV)
-    q = tl.load(
-        Q + b * stride_qb + kvh * group * stride_qh
-        + head_in_group[:, None] * stride_qh + qi[:, None] * stride_qq + d[None, :] * stride_qd,
-        mask=row_ok[:, None] & (d[None, :] < head_d), other=0.0,
-    )
     lo1, hi1, lo2, hi2, start, stop = _split_keys(Lo1, Hi1, Lo2, Hi2, b, pid_s, keys_per_split, kv_len)
+    if MASS:
+        # Blocks aligned to absolute slots, so that each page lies in one block (or spans whole
+        # ones); the keys before the row's ranges in the first block are masked like any other.
+        start = start // BLOCK_N * BLOCK_N
+    # This program's mass partials: 64-bit bases (they pass 2^31 elements at large batch x
+    # context); offsets inside stay 32-bit (8 L at most, less than K's span per head).
+    mass_at = MassP + pid_bh.to(tl.int64) * mass_blocks * ((UNITS + 1) * group * q_len)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -93,15 +102,18 @@ def _segment_attention_kernel(
     k_base = K + b * stride_kb + kvh * stride_kh
     v_base = V + b * stride_vb + kvh * stride_vh
     for n0 in range(start, stop, BLOCK_N):
-        m_i, l_i, acc = _attend_block(q, k_base, v_base, n0, stop, lo1, hi1, lo2, hi2, shift, row_ok, d, dv,
+        m_i, l_i, acc = _attend_block(q, k_base, v_base, n0, stop, lo1, hi1, lo2, hi2, shift, rows, row_ok, d, dv,
                                       head_d, head_dv, stride_kl, stride_kd, stride_vl, stride_vd, scaling,
-                                      softcap, m_i, l_i, acc, BLOCK_N, IEEE, UPCAST, SOFTCAP)
+                                      softcap, m_i, l_i, acc, mass_at, group * q_len,
+                                      BLOCK_N, IEEE, UPCAST, SOFTCAP, MASS, UNITS)
 
     # The split count and the sinks are runtime values (their code runs once, after the loop): one
     # kernel whatever the count, with or without sinks. The soft-cap, in the loop, is a constexpr.
     if num_splits == 1:
         if has_sinks != 0:
             m_i, l_i, acc = _add_sink(Sinks, kvh * group + head_in_group, row_ok, m_i, l_i, acc)
+        if MASS:
+            _store_row_stats(RowM, RowL, pid_bh.to(tl.int64) * (group * q_len) + rows, row_ok, m_i, l_i)
         out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
         _store_rows(Out, out, b, kvh * group, head_in_group, qi, row_ok, dv, head_dv,
                     stride_ob, stride_oq, stride_oh, stride_od)
@@ -110,6 +122,25 @@ def _segment_attention_kernel(
         tl.store(PartO + (part + rows[:, None]) * BLOCK_DV + dv[None, :], acc)
         tl.store(PartM + part + rows, m_i)
         tl.store(PartL + part + rows, l_i)
+
+
+@triton.jit
+def _load_queries(Q, b, kvh, q_len, group, head_d, stride_qb, stride_qh, stride_qq, stride_qd,
+                  BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
+    """The ``[BLOCK_M, BLOCK_D]`` packed query tile of KV head ``kvh``: row r is query head
+    ``kvh*group + r // q_len`` at query position ``r % q_len``. Also returns the row indices, which
+    rows exist, and each row's head in the group and query position."""
+    rows = tl.arange(0, BLOCK_M)
+    row_ok = rows < group * q_len
+    head_in_group = rows // q_len
+    qi = rows % q_len
+    d = tl.arange(0, BLOCK_D)
+    q = tl.load(
+        Q + b * stride_qb + kvh * group * stride_qh
+        + head_in_group[:, None] * stride_qh + qi[:, None] * stride_qq + d[None, :] * stride_qd,
+        mask=row_ok[:, None] & (d[None, :] < head_d), other=0.0,
+    )
+    return q, rows, row_ok, head_in_group, qi
 
 
 @triton.jit
@@ -128,11 +159,14 @@ def _split_keys(Lo1, Hi1, Lo2, Hi2, b, pid_s, keys_per_split, kv_len):
 
 
 @triton.jit
-def _attend_block(q, k_base, v_base, n0, stop, lo1, hi1, lo2, hi2, shift, row_ok, d, dv, head_d, head_dv,
+def _attend_block(q, k_base, v_base, n0, stop, lo1, hi1, lo2, hi2, shift, rows, row_ok, d, dv, head_d, head_dv,
                   stride_kl, stride_kd, stride_vl, stride_vd, scaling, softcap, m_i, l_i, acc,
-                  BLOCK_N: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr, SOFTCAP: tl.constexpr):
+                  mass_at, mass_rows,
+                  BLOCK_N: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr, SOFTCAP: tl.constexpr,
+                  MASS: tl.constexpr, UNITS: tl.constexpr):
     """One key block ``[n0, n0 + BLOCK_N)`` of the online softmax: the packed rows' logits over the
-    keys their ranges allow, folded into the running max ``m_i``, sum ``l_i`` and output ``acc``."""
+    keys their ranges allow, folded into the running max ``m_i``, sum ``l_i`` and output ``acc``.
+    With ``MASS``, the block's partial mass sums and running max go out (:func:`_store_block_mass`)."""
     cols = n0 + tl.arange(0, BLOCK_N)
     col_ok = cols < stop
     k = tl.load(
@@ -151,6 +185,8 @@ def _attend_block(q, k_base, v_base, n0, stop, lo1, hi1, lo2, hi2, shift, row_ok
     p = tl.exp(s - m_safe[:, None])
     alpha = tl.exp(m_i - m_safe)
     l_i = l_i * alpha + tl.sum(p, 1)
+    if MASS:
+        _store_block_mass(mass_at, n0 // BLOCK_N, mass_rows, rows, row_ok, p, m_new, BLOCK_N, UNITS)
     v = tl.load(
         v_base + cols[:, None] * stride_vl + dv[None, :] * stride_vd,
         mask=col_ok[:, None] & (dv[None, :] < head_dv), other=0.0,
@@ -159,6 +195,31 @@ def _attend_block(q, k_base, v_base, n0, stop, lo1, hi1, lo2, hi2, shift, row_ok
         p = p.to(v.dtype)  # probabilities enter the tensor cores in the value dtype
     acc = acc * alpha[:, None] + _dot(p, v, IEEE, UPCAST)
     return m_new, l_i, acc
+
+
+@triton.jit
+def _store_block_mass(mass_at, block, mass_rows, rows, row_ok, p, m_new, BLOCK_N: tl.constexpr,
+                      UNITS: tl.constexpr):
+    """Key block ``block`` of one program's mass partials (``mass_at``: their base, laid out
+    ``[blocks, UNITS + 1, rows]``, consecutive rows in consecutive floats): per packed row, the sum
+    of ``p = exp(s - m_new)`` over each of the block's ``UNITS`` runs of ``BLOCK_N / UNITS`` keys,
+    then the running max ``m_new`` (``-inf`` where a row has seen no key yet: then ``p`` is 0)."""
+    at = mass_at + block * ((UNITS + 1) * mass_rows) + rows
+    tl.store(at + UNITS * mass_rows, m_new, mask=row_ok)
+    if UNITS == 1:
+        tl.store(at, tl.sum(p, 1), mask=row_ok)
+    else:
+        unit = tl.arange(0, BLOCK_N) // (BLOCK_N // UNITS)
+        for u in tl.static_range(UNITS):
+            tl.store(at + u * mass_rows, tl.sum(tl.where(unit[None, :] == u, p, 0.0), 1), mask=row_ok)
+
+
+@triton.jit
+def _store_row_stats(RowM, RowL, at, row_ok, m_i, l_i):
+    """A packed row's final softmax max (0 where it saw no key nor sink) and sum, sinks included:
+    its probability of key j is ``exp(s_j - RowM) / RowL``."""
+    tl.store(RowM + at, tl.where(m_i == float("-inf"), 0.0, m_i), mask=row_ok)
+    tl.store(RowL + at, l_i, mask=row_ok)
 
 
 @triton.jit
@@ -210,13 +271,14 @@ def _add_sink(Sinks, head, row_ok, m_i, l_i, acc):
 
 @triton.jit(do_not_specialize=["q_len", "group", "kv_heads", "part_rows", "num_splits", "has_sinks"])
 def _merge_splits_kernel(
-    PartO, PartM, PartL, Out, Sinks,
+    PartO, PartM, PartL, Out, Sinks, RowM, RowL,
     stride_ob, stride_oq, stride_oh, stride_od,
     q_len, group, kv_heads, head_dv, part_rows, num_splits, has_sinks,
-    MERGE_M: tl.constexpr, BLOCK_DV: tl.constexpr,
+    MERGE_M: tl.constexpr, BLOCK_DV: tl.constexpr, MASS: tl.constexpr,
 ):
     """Merge the splits of ``MERGE_M`` packed rows (of ``part_rows`` per program of the attention
-    kernel): one variant per head width, whatever the attention kernel's row tile."""
+    kernel): one variant per head width, whatever the attention kernel's row tile. With ``MASS``,
+    also each row's final softmax max and sum (:func:`_store_row_stats`)."""
     pid_bh = tl.program_id(0)
     b = (pid_bh // kv_heads).to(tl.int64)
     kvh = (pid_bh % kv_heads).to(tl.int64)
@@ -238,6 +300,8 @@ def _merge_splits_kernel(
     head_in_group = rows // q_len
     if has_sinks != 0:
         m_max, denom, acc = _add_sink(Sinks, kvh * group + head_in_group, row_ok, m_safe, denom, acc)
+    if MASS:
+        _store_row_stats(RowM, RowL, pid_bh.to(tl.int64) * (group * q_len) + rows, row_ok, m_max, denom)
     out = acc / tl.where(denom == 0.0, 1.0, denom)[:, None]
     _store_rows(Out, out, b, kvh * group, head_in_group, rows % q_len, row_ok, dv, head_dv,
                 stride_ob, stride_oq, stride_oh, stride_od)
@@ -260,25 +324,111 @@ def _run(launches: list[Launch]) -> None:
 
 
 def segment_attention(query, key, value, segments, scaling: float, softcap: float | None = None,
-                      sinks: torch.Tensor | None = None, num_splits: int | None = None) -> torch.Tensor:
+                      sinks: torch.Tensor | None = None, num_splits: int | None = None, page_size: int = 0):
     """Triton twin of :func:`hf_magicdec.kernels.reference.segment_attention` (same contract,
-    soft-capping and sinks included), through the ``hf_magicdec::segment_attention`` operator.
-    Only for calls :func:`hf_magicdec.kernels.launch.segment_attention_refusal` accepts.
+    soft-capping, sinks and the attention mass per page included), through the
+    ``hf_magicdec::segment_attention`` operator. Only for calls
+    :func:`hf_magicdec.kernels.launch.segment_attention_refusal` accepts (``page_size`` 0 or a power
+    of two >= 16): returns ``out``, or ``(out, mass)`` when ``page_size > 0``.
 
     ``num_splits`` overrides the key-axis split count (tests use it to hit both code paths).
     """
     seg = segments.to(query.device)
-    return torch.ops.hf_magicdec.segment_attention(query, key, value, seg.lo1, seg.hi1, seg.lo2, seg.hi2,
-                                                   float(scaling), softcap, sinks, num_splits or 0)
+    out, mass = torch.ops.hf_magicdec.segment_attention(query, key, value, seg.lo1, seg.hi1, seg.lo2, seg.hi2,
+                                                        float(scaling), softcap, sinks, num_splits or 0,
+                                                        int(page_size))
+    return (out, mass) if page_size else out
+
+
+# The page-mass epilogue's tile: pages per program, packed rows per step (fixed, so that a changing
+# γ or group compiles nothing new).
+_MASS_PAGES_TILE = 32
+_MASS_ROWS_TILE = 16
+
+
+@triton.jit(do_not_specialize=["kv_heads", "mass_rows", "mass_blocks", "kv_len", "pages", "runs_per_page"])
+def _page_mass_kernel(
+    MassP, RowM, RowL, Lo1, Hi1, Lo2, Hi2, Mass,
+    kv_heads, mass_rows, mass_blocks, kv_len, pages, runs_per_page,
+    BLOCK_N: tl.constexpr, UNITS: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_R: tl.constexpr,
+):
+    """The epilogue of a mass-emitting launch: for ``BLOCK_P`` pages of one (row, KV head),
+    ``mass = Σ_rows sums · exp(m_block - row_max) / row_sum`` over the page's ``runs_per_page``
+    runs of ``BLOCK_N / UNITS`` keys (a page is one run, or whole key blocks). Only the blocks the
+    attention kernel walked are read (the others were never written: their pages get 0)."""
+    pid = tl.program_id(0)
+    page = tl.program_id(1) * BLOCK_P + tl.arange(0, BLOCK_P)
+    b = (pid // kv_heads).to(tl.int64)
+    # The envelope of the row's ranges, as the attention kernel walks it, splits together.
+    _, _, _, _, start, stop = _split_keys(Lo1, Hi1, Lo2, Hi2, b, 0, kv_len, kv_len)
+    first = start // BLOCK_N * BLOCK_N
+    # 64-bit bases (the partials pass 2^31 elements at scale), 32-bit offsets inside one program.
+    mass_at = MassP + pid.to(tl.int64) * mass_blocks * ((UNITS + 1) * mass_rows)
+    rows_at = pid.to(tl.int64) * mass_rows
+    total = tl.zeros([BLOCK_P], tl.float32)
+    for k in range(runs_per_page):
+        run = page * runs_per_page + k
+        block = run // UNITS
+        walked = (block * BLOCK_N >= first) & (block * BLOCK_N < stop) & (page < pages)
+        for r0 in range(0, mass_rows, BLOCK_R):
+            r = r0 + tl.arange(0, BLOCK_R)
+            r_ok = r < mass_rows
+            row_max = tl.load(RowM + rows_at + r, mask=r_ok, other=0.0)
+            row_sum = tl.load(RowL + rows_at + r, mask=r_ok, other=1.0)
+            row_sum = tl.where(row_sum == 0.0, 1.0, row_sum)  # a row that saw nothing has no mass
+            ok = walked[:, None] & r_ok[None, :]
+            at = mass_at + (block * (UNITS + 1))[:, None] * mass_rows + r[None, :]
+            sums = tl.load(at + (run % UNITS)[:, None] * mass_rows, mask=ok, other=0.0)
+            m_block = tl.load(at + UNITS * mass_rows, mask=ok, other=float("-inf"))
+            share = sums * tl.exp(m_block - row_max[None, :]) / row_sum[None, :]
+            total += tl.sum(tl.where(ok, share, 0.0), 1)
+    tl.store(Mass + pid.to(tl.int64) * pages + page, total, mask=page < pages)
+
+
+def _mass_launch(lo1, hi1, lo2, hi2, batch: int, kv_heads: int, rows: int, kv_len: int, page_size: int,
+                 block_n: int, dev) -> tuple[tuple[torch.Tensor, ...], torch.Tensor, Launch]:
+    """What a mass-emitting launch writes besides the output, all fp32, ``P = B * Hkv`` programs,
+    ``R = g * q`` packed rows, ``N`` key blocks per program (enough for whole pages), ``U`` runs
+    of keys per block (:func:`hf_magicdec.kernels.launch.mass_units`): the partials ``[P, N, U + 1,
+    R]`` (each block's ``U`` partial sums, then the running max they are relative to) and each
+    row's final max and sum ``[P, R]`` (unfilled: the attention kernel and the merge fill them, and
+    walk only the blocks of a row's ranges); then the mass ``[B, Hkv, pages]`` (unfilled) and the
+    epilogue that fills it."""
+    pages = triton.cdiv(kv_len, page_size)
+    blocks = triton.cdiv(pages * page_size, block_n)
+    units = mass_units(page_size, block_n)
+    programs = batch * kv_heads
+    f32 = {"dtype": torch.float32, "device": dev}
+    parts = (torch.empty((programs, blocks, units + 1, rows), **f32), torch.empty((programs, rows), **f32),
+             torch.empty((programs, rows), **f32))
+    mass = torch.empty((batch, kv_heads, pages), **f32)
+    runs_per_page = page_size // (block_n // units)
+    epilogue = Launch(_page_mass_kernel, (programs, triton.cdiv(pages, _MASS_PAGES_TILE)), (
+        *parts, lo1, hi1, lo2, hi2, mass, kv_heads, rows, blocks, kv_len, pages, runs_per_page,
+    ), {"BLOCK_N": block_n, "UNITS": units, "BLOCK_P": _MASS_PAGES_TILE, "BLOCK_R": _MASS_ROWS_TILE,
+        "num_warps": 4, "num_stages": 1})
+    return parts, mass, epilogue
 
 
 def segment_attention_launches(query, key, value, lo1, hi1, lo2, hi2, scaling: float, softcap: float | None,
-                               sinks: torch.Tensor | None, num_splits: int,
-                               spec: DeviceSpec) -> tuple[torch.Tensor, list[Launch]]:
-    """The output ``[B, q, H, Dv]`` (unfilled) and the launches that fill it on ``spec``.
+                               sinks: torch.Tensor | None, num_splits: int, spec: DeviceSpec,
+                               page_size: int = 0) -> tuple[torch.Tensor, list[Launch]]:
+    """The output ``[B, q, H, Dv]`` (unfilled) and the launches that fill it on ``spec`` (with
+    ``page_size > 0``, the launches that also write the mass partials: :func:`_segment_launches`).
 
     Tensors as in :func:`segment_attention`, ``lo1 .. hi2`` ``[B]`` int32; buffers are allocated
     on the query's device, which may be ``meta`` (the AOT test). ``num_splits`` 0: automatic."""
+    out, _, launches = _segment_launches(query, key, value, lo1, hi1, lo2, hi2, scaling, softcap, sinks,
+                                         num_splits, spec, page_size)
+    return out, launches
+
+
+def _segment_launches(query, key, value, lo1, hi1, lo2, hi2, scaling, softcap, sinks, num_splits, spec,
+                      page_size) -> tuple[torch.Tensor, torch.Tensor | None, list[Launch]]:
+    """:func:`segment_attention_launches`, with the mass ``[B, Hkv, pages]`` they fill (None when
+    ``page_size`` is 0: no mass written, no epilogue)."""
+    if page_size and mass_refusal(page_size):
+        raise ValueError(mass_refusal(page_size))
     batch, heads, q_len, head_d = query.shape
     kv_heads, kv_len, head_dv = key.shape[1], key.shape[2], value.shape[-1]
     group = heads // kv_heads
@@ -288,7 +438,7 @@ def segment_attention_launches(query, key, value, lo1, hi1, lo2, hi2, scaling: f
     out = torch.empty((batch, q_len, heads, head_dv), dtype=query.dtype, device=dev)
     programs = batch * kv_heads
     # Unused pointers get an fp32 placeholder: the pointer types stay those of the split path, so
-    # one split or several launch the same compiled kernel.
+    # one split or several launch the same compiled kernel (and the mass pointers those of MASS).
     unused = torch.empty((1,), dtype=torch.float32, device=dev)
     if plan.splits > 1:
         part_o = torch.empty((programs * plan.splits, plan.block_m, plan.block_dv), dtype=torch.float32, device=dev)
@@ -296,35 +446,43 @@ def segment_attention_launches(query, key, value, lo1, hi1, lo2, hi2, scaling: f
         part_l = torch.empty_like(part_m)
     else:
         part_o = part_m = part_l = unused
+    parts, mass, epilogue = (_mass_launch(lo1, hi1, lo2, hi2, batch, kv_heads, group * q_len, kv_len, page_size,
+                                          plan.block_n, dev) if page_size else ((unused,) * 3, None, None))
     sink_ptr = sinks.to(device=dev, dtype=torch.float32).contiguous() if sinks is not None else unused
     attend = Launch(_segment_attention_kernel, (programs, plan.splits), (
-        query, key, value, out, part_o, part_m, part_l, sink_ptr, lo1, hi1, lo2, hi2,
+        query, key, value, out, part_o, part_m, part_l, sink_ptr, lo1, hi1, lo2, hi2, *parts,
         *query.stride(), *key.stride(), *value.stride(), *out.stride(),
         q_len, group, kv_heads, head_d, head_dv, kv_len, plan.keys_per_split, plan.splits, int(sinks is not None),
-        float(scaling), float(softcap or 1.0),
+        float(scaling), float(softcap or 1.0), parts[0].shape[1] if page_size else 0,
     ), {
         "BLOCK_M": plan.block_m, "BLOCK_N": plan.block_n, "BLOCK_D": plan.block_d, "BLOCK_DV": plan.block_dv,
         "IEEE": query.dtype == torch.float32, "UPCAST": _UPCAST_DOTS and query.dtype != torch.float32,
-        "SOFTCAP": softcap is not None,
+        "SOFTCAP": softcap is not None, "MASS": bool(page_size), "UNITS": parts[0].shape[2] - 1 if page_size else 1,
         "num_warps": plan.num_warps, "num_stages": plan.num_stages,
     })
-    if plan.splits == 1:
-        return out, [attend]
-    merge = Launch(_merge_splits_kernel, (programs, triton.cdiv(group * q_len, plan.merge_m)), (
-        part_o, part_m, part_l, out, sink_ptr, *out.stride(), q_len, group, kv_heads, head_dv, plan.block_m,
-        plan.splits, int(sinks is not None),
-    ), {"MERGE_M": plan.merge_m, "BLOCK_DV": plan.block_dv, "num_warps": plan.merge_warps, "num_stages": 1})
-    return out, [attend, merge]
+    launches = [attend]
+    if plan.splits > 1:
+        launches.append(Launch(_merge_splits_kernel, (programs, triton.cdiv(group * q_len, plan.merge_m)), (
+            part_o, part_m, part_l, out, sink_ptr, *parts[1:], *out.stride(), q_len, group, kv_heads, head_dv,
+            plan.block_m, plan.splits, int(sinks is not None),
+        ), {"MERGE_M": plan.merge_m, "BLOCK_DV": plan.block_dv, "MASS": bool(page_size),
+            "num_warps": plan.merge_warps, "num_stages": 1}))
+    return out, mass, launches + ([epilogue] if page_size else [])
 
 
 @triton_op("hf_magicdec::segment_attention", mutates_args={})
 def _segment_attention_op(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, lo1: torch.Tensor,
                           hi1: torch.Tensor, lo2: torch.Tensor, hi2: torch.Tensor, scaling: float,
-                          softcap: float | None, sinks: torch.Tensor | None, num_splits: int) -> torch.Tensor:
-    out, launches = segment_attention_launches(query, key, value, lo1, hi1, lo2, hi2, scaling, softcap, sinks,
-                                               num_splits, device_spec(query.device))
+                          softcap: float | None, sinks: torch.Tensor | None, num_splits: int,
+                          page_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(out, mass)``: ``mass [B, Hkv, ceil(L / page_size)]`` when ``page_size > 0``, else an
+    empty ``[B, Hkv, 0]`` (one schema for both)."""
+    out, mass, launches = _segment_launches(query, key, value, lo1, hi1, lo2, hi2, scaling, softcap, sinks,
+                                            num_splits, device_spec(query.device), page_size)
     _run(launches)
-    return out
+    if mass is None:
+        return out, key.new_empty((key.shape[0], key.shape[1], 0), dtype=torch.float32)
+    return out, mass
 
 
 @triton.jit
@@ -464,9 +622,11 @@ def _snapkv_mass_op(queries: torch.Tensor, keys: torch.Tensor, pad: torch.Tensor
 # Output shapes for tracing (fake tensors): given explicitly, so tracing never runs a kernel body
 # (Triton's CPU interpreter would read the fake tensors' memory).
 @_segment_attention_op.register_fake
-def _(query, key, value, lo1, hi1, lo2, hi2, scaling, softcap, sinks, num_splits):
+def _(query, key, value, lo1, hi1, lo2, hi2, scaling, softcap, sinks, num_splits, page_size):
     batch, heads, q_len, _ = query.shape
-    return query.new_empty((batch, q_len, heads, value.shape[-1]))
+    pages = -(-key.shape[2] // page_size) if page_size > 0 else 0
+    return (query.new_empty((batch, q_len, heads, value.shape[-1])),
+            key.new_empty((batch, key.shape[1], pages), dtype=torch.float32))
 
 
 @_snapkv_mass_op.register_fake
