@@ -82,7 +82,7 @@ FAMILIES = {
 }
 # (attention heads, KV heads): GQA ratios 1, 2, 3, 4, 7.
 HEADS = [(4, 4), (4, 2), (6, 2), (4, 1), (7, 1), (6, 3), (8, 2)]
-DRAFTS = ["streamingllm", "snapkv", "dynamic", "full", "auto"]
+DRAFTS = ["streamingllm", "snapkv", "dynamic", "verified", "full", "auto"]
 
 _MODELS: OrderedDict = OrderedDict()
 
@@ -190,7 +190,7 @@ def _magicdec_fields(rng, prompt_len: int, new_tokens: int) -> dict:
         m["draft_budget"] = rng.randint(4, max(5, prompt_len - 1))
     else:
         m["draft_budget"] = prompt_len + new_tokens + rng.randint(0, 40)
-    if draft in ("streamingllm", "dynamic", "auto"):
+    if draft in ("streamingllm", "dynamic", "verified", "auto"):
         m["sink_tokens"] = rng.choice([0, 1, 2, 4, 16])
     if draft in ("snapkv", "auto"):
         m["window"] = rng.choice([2, 4, 8, 32])
@@ -198,10 +198,13 @@ def _magicdec_fields(rng, prompt_len: int, new_tokens: int) -> dict:
             m["recent_window"] = rng.randint(2, 24)
         if rng.random() < 0.3:
             m["pool_kernel"] = rng.choice([1, 3, 7])
-    if draft == "dynamic":
+    if draft in ("dynamic", "verified"):
         m["page_size"] = rng.choice([1, 2, 4, 8])
         if rng.random() < 0.5:
             m["recent_window"] = rng.randint(2, 24)
+    if draft == "verified":
+        m["window"] = rng.choice([2, 4, 8])
+        m["every"] = rng.choice([1, 1, 2, 5])
     if draft in ("streamingllm", "snapkv") and rng.random() < 0.25:
         if rng.random() < 0.5:
             m["refresh_every"] = rng.randint(1, 6)
@@ -299,14 +302,14 @@ def _draw_dist_case(rng, seed, index) -> dict:
     case = dict(seed=seed, index=index, kind="dist")
     case.update(_model_fields(rng, prompt_len + 3))
     case.update(prompt_len=prompt_len, prompt_seed=rng.randrange(10**6), sample_seed=rng.randrange(10**6))
-    draft = rng.choice(["streamingllm", "snapkv", "dynamic"])
+    draft = rng.choice(["streamingllm", "snapkv", "dynamic", "verified"])
     fields = dict(draft=draft, draft_budget=rng.randint(3, max(4, prompt_len // 2)),
                   gamma=rng.choice([1, 2, 3, 4, "auto"]))
-    if draft in ("streamingllm", "dynamic"):
+    if draft in ("streamingllm", "dynamic", "verified"):
         fields["sink_tokens"] = rng.choice([0, 1, 2])
-    if draft == "snapkv":
+    if draft in ("snapkv", "verified"):
         fields["window"] = rng.choice([4, 6])
-    if draft == "dynamic":
+    if draft in ("dynamic", "verified"):
         fields["page_size"] = rng.choice([1, 2])
     if not _valid(fields):
         fields = dict(draft="streamingllm", draft_budget=max(4, prompt_len // 2), sink_tokens=1, gamma=2)
@@ -416,9 +419,10 @@ def _check_well_formed(case, kw, ids, out, stock):
     for r, row in enumerate(new.tolist()):
         ends = [i for i, t in enumerate(row) if t in eos]
         end = ends[0] if ends else len(row)
-        if forced_last and end >= len(row) - 1:
+        if forced_last and end >= len(row) - 1:  # the forced EOS at max_length is not an early stop
             row = row[:-1]
-            end = min(end, len(row) - 1) if ends else len(row)
+            ends = [i for i in ends if i < len(row)]
+            end = ends[0] if ends else len(row)
         if ends and any(t != PAD for t in row[end + 1 :]):
             problems.append(f"row {r}: tokens after EOS")
         if ends and end < gen.get("min_new_tokens", 0):

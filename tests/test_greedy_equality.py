@@ -19,6 +19,7 @@ DRAFTS = {
     "streamingllm": dict(sink_tokens=4),
     "snapkv": dict(window=8),
     "dynamic": dict(sink_tokens=1, page_size=4, recent_window=7),
+    "verified": dict(sink_tokens=1, page_size=4, window=8),
     "full": dict(),
     "recent-only": dict(static_tokens=3),  # the user's view (tests/conftest.py)
 }

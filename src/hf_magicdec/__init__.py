@@ -16,7 +16,7 @@ from .engine.shared_prefill import shared_prefill
 from .notices import MagicDecWarning
 from .planning import device_model, plan
 from .routing import disable, enable, is_enabled, set_default_speculation
-from .views import DraftView, Dynamic, Full, SnapKV, StreamingLLM, available_views, get_view, register_view
+from .views import DraftView, Dynamic, Full, SnapKV, StreamingLLM, Verified, available_views, get_view, register_view
 
 __version__ = "0.1.0"
 
@@ -26,6 +26,7 @@ __all__ = [
     "Full",
     "SnapKV",
     "StreamingLLM",
+    "Verified",
     "MagicDecCache",
     "MagicDecConfig",
     "MagicDecOutput",

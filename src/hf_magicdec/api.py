@@ -287,13 +287,15 @@ def _outputs(call: _Call, engine: Engine, sequences, stats: SpeculationStats, sc
 
 
 def _gamma_policy(config: MagicDecConfig, prompt: int, max_new: int, lockstep, resolution: Resolution):
-    """``(γ policy, draft scratch slots)``: fixed γ, or adaptive γ between 1 and the largest γ whose
-    γ + 1 committed tokens fit in the view's rolling window (and ``max_gamma``)."""
+    """``(γ policy, draft scratch slots)``: fixed γ, or adaptive γ between 1 (0 for a schedule: plain
+    decoding while speculation does not pay) and the largest γ whose γ + 1 committed tokens fit in
+    the view's rolling window (and ``max_gamma``)."""
     if not config.adaptive:
         return FixedGamma(config.gamma), config.gamma
     window = config.view.window_slots(config.draft_budget, config.gamma, prompt, max_new)
     scratch = lockstep.agree_min(max(1, min(config.max_gamma, window - 1)))
     plan = resolution.plan
     prior = plan.acceptance if plan is not None and plan.acceptance else 0.8
-    controller = GammaController(config.gamma, scratch, prior, resolution.draft_ratio, resolution.verify_ratio)
+    controller = GammaController(config.gamma, scratch, prior, step_model=resolution.step_model,
+                                 allow_off=resolution.schedule)
     return AdaptiveGamma(controller, lockstep), scratch

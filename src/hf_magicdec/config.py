@@ -214,10 +214,10 @@ class MagicDecConfig:
         if self.draft_weights not in DRAFT_WEIGHT_FORMATS:
             raise ValueError(f"draft_weights must be one of {list(DRAFT_WEIGHT_FORMATS)}, got {self.draft_weights!r}.")
         view = self.view
-        if view is not None and view.query_aware and (self.refresh_every is not None or self.refresh_below is not None):
+        if view is not None and view.reselects and (self.refresh_every is not None or self.refresh_below is not None):
             raise ValueError(
-                f"draft={view.name!r} re-selects its view at every draft step; refresh_every / refresh_below apply "
-                f"to static views (snapkv), got refresh_every={self.refresh_every}, refresh_below={self.refresh_below}."
+                f"draft={view.name!r} re-selects its view itself; refresh_every / refresh_below apply to static views "
+                f"(snapkv), got refresh_every={self.refresh_every}, refresh_below={self.refresh_below}."
             )
         if self.is_resolved:
             # The rolling window takes up to gamma+1 committed tokens per step without overwriting

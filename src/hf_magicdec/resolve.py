@@ -26,12 +26,12 @@ from .config import AUTO, DEFAULT_BUDGET, DEFAULT_GAMMA, MagicDecConfig
 from .engine.draft_weights import feasible_formats, supported_formats
 from .engine.steps import compile_config_for
 from .parallel.lockstep import tp_size
-from .planner import default_acceptance, draft_step, get_hardware, search_plan, target_step, verify_step
+from .planner import default_acceptance, get_hardware, search_plan
 from .planner.calibrate import load_calibration
 from .planner.memory import draft_key, observed_acceptance
 from .planner.modelspec import ModelSpec
 from .planner.search import DEFAULT_DRAFT_MODEL_DRAFTS
-from .planner.selection import selection_seconds
+from .planner.schedule import StepModel
 from .views import get_view
 
 log = logging.getLogger("hf_magicdec")
@@ -96,13 +96,15 @@ def device_hardware(target: Target, config: MagicDecConfig):
 
 @dataclass
 class Resolution:
-    """What ``generate`` runs: ``config`` (None = plain decoding), the plan behind it, and the cost
-    ratios adaptive γ needs (``draft_ratio`` = T_D/T_T, ``verify_ratio[g]`` = T_V(g)/T_T)."""
+    """What ``generate`` runs: ``config`` (None = plain decoding), the plan behind it, and for
+    adaptive γ the step-time model it re-weighs γ with (``step_model``: T_D/T_T and T_V(γ)/T_T as
+    functions of the live batch and context) and whether γ follows the context down to 0
+    (``schedule``: self-drafting with adaptive γ where the planner may decline)."""
 
     config: MagicDecConfig | None
     plan: Any = None
-    draft_ratio: float | None = None
-    verify_ratio: dict[int, float] | None = None
+    step_model: StepModel | None = None
+    schedule: bool = False
     use_draft_model: bool = True  # False: the planner preferred self-speculation to the draft model
 
 
@@ -192,7 +194,11 @@ def resolve(config: MagicDecConfig, model, batch: int, prompt_len: int, new_toke
     if not resolved.adaptive:
         return Resolution(resolved, p, use_draft_model=use_draft_model)
     drafter = kwargs["draft_model"] if use_draft_model else spec.with_weights(resolved.draft_weights)
-    return Resolution(resolved, p, *_step_ratios(spec, hardware, batch, p, resolved, drafter), use_draft_model)
+    # Adaptive γ re-weighs γ each step with the same step-time model, at the batch and context reached.
+    model = StepModel(spec, hardware, drafter, resolved.draft_budget, resolved.view,
+                      tuple(range(1, resolved.max_gamma + 1)))
+    schedule = kwargs["schedule"] and not use_draft_model
+    return Resolution(resolved, p, model, schedule=schedule, use_draft_model=use_draft_model)
 
 
 def search_space(config: MagicDecConfig, target: Target | None, draft_model, captured: bool, batch: int, prompt_len: int,
@@ -220,6 +226,9 @@ def search_space(config: MagicDecConfig, target: Target | None, draft_model, cap
     else:
         kwargs["gammas"] = tuple(range(1, config.max_gamma + 1))
     kwargs["draft_weights"] = _weight_candidates(config, target, draft_model, captured)
+    # γ follows the context down to 0 where the planner may decline (a call that asked for a budget
+    # or a γ speculates throughout, adapting γ >= 1): the candidates are priced by that schedule.
+    kwargs["schedule"] = config.adaptive and config.planner_may_decline
     if draft_model is not None:
         kwargs["draft_model"] = (ModelSpec.from_config(draft_model.config, dtype=draft_model.dtype)
                                  if hasattr(draft_model, "parameters") else draft_model)
@@ -228,18 +237,6 @@ def search_space(config: MagicDecConfig, target: Target | None, draft_model, cap
         kwargs["draft_model_drafts"] = ((config.view,) if config.view is not None else
                                         tuple(own.get(d) or get_view(d) for d in DEFAULT_DRAFT_MODEL_DRAFTS))
     return kwargs
-
-
-def _step_ratios(spec, hardware, batch: int, p, resolved: MagicDecConfig, drafter) -> tuple[float, dict[int, float]]:
-    """What adaptive γ re-weighs γ with each step, from the same step-time model: T_D/T_T (selection
-    of query-aware views included) and T_V(γ)/T_T."""
-    context = max(int(p.context), 1)
-    tt = target_step(spec, hardware, batch, context).seconds
-    draft_ratio = draft_step(drafter, hardware, batch, context, resolved.draft_budget).seconds / tt
-    draft_ratio += selection_seconds(drafter, hardware, batch, context, resolved.draft_budget, resolved.view) / tt
-    verify_ratio = {g: verify_step(spec, hardware, batch, context, g).seconds / tt
-                    for g in range(1, resolved.max_gamma + 1)}
-    return draft_ratio, verify_ratio
 
 
 def _weight_candidates(config: MagicDecConfig, target: Target | None, draft_model, captured: bool) -> tuple[str, ...]:

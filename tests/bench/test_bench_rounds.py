@@ -210,3 +210,44 @@ def test_rounds_off_keeps_the_sequential_protocol(tmp_path, tiny_bench):
     assert rows[2]["plan_label"] == "streamingllm/48 γ=2 full" and rows[2]["speedup_vs_static"] > 0
     results = [_row("x", [1.0])]
     assert "plan" in table(results).splitlines()[0]
+
+
+def test_sample_trace_keeps_positions_spread_over_the_generation():
+    trace = [(n, 0.01 * n) for n in (1, 2, 5, 9, 10, 14, 17, 20)]  # MagicDec: several tokens per step
+    kept = rounds_mod.sample_trace(trace, 20, points=4)  # every 5 tokens, the first step at or past each
+    assert kept == [[5, 0.05], [10, 0.1], [17, 0.17], [20, 0.2]]
+    assert rounds_mod.sample_trace([], 20) == []
+
+
+def test_position_speedups_compare_windows_against_the_static_cache():
+    from hf_magicdec_bench.bench.report import position_speedups
+
+    def row(method, label, seconds_per_token):  # a trace every 10 tokens: [position, seconds so far]
+        clock, trace = 0.0, []
+        for n, s in zip(range(10, 101, 10), seconds_per_token):
+            clock += 10 * s
+            trace.append([n, clock])
+        return types.SimpleNamespace(method=method, label=label, new_tokens=100, config=None,
+                                     extra={"position_trace": trace})
+
+    static = row("stock-static", "static", [1.0] * 10)
+    fast_late = row("magicdec", "m", [1.0] * 5 + [0.5] * 5)  # twice as fast per token from position 50 on
+    ref, series = position_speedups([row("stock", "stock", [1.0] * 10), static, fast_late], windows=2)
+    assert ref == "static" and set(series) == {"stock", "m"}
+    (mid0, s0), (mid1, s1) = series["m"]
+    assert (mid0, mid1) == (25, 75) and s0 == pytest.approx(1.0) and s1 == pytest.approx(2.0)
+
+
+def test_long_generation_rows_carry_a_position_trace_and_plot(tmp_path, tiny_bench, monkeypatch):
+    from hf_magicdec_bench.bench import report
+
+    monkeypatch.setattr(report, "LONG_GENERATION", NEW)  # the tiny run counts as a long generation
+    code, rows, out = _bench(tmp_path, "--rounds", "2")
+    assert code == 0
+    for r in rows:
+        positions = [p for p, _ in r["position_trace"]]
+        assert positions == sorted(positions) and positions[-1] == NEW  # row 0's new tokens
+        assert all(b >= a for (_, a), (_, b) in zip(r["position_trace"], r["position_trace"][1:]))
+    assert (out / "speedup_vs_position.png").stat().st_size > 0
+    magic = [r for r in rows if r["method"] == "magicdec"]
+    assert all(r["gamma_schedule"] == [[1, r["breakdown"]["steps"], 2]] for r in magic)

@@ -352,7 +352,7 @@ def test_plan_fields_and_config():
     assert p.speculate and p.predicted_speedup > 1
     assert p.context == 16384 + 128
     assert p.t_verify >= p.t_target > p.t_draft > 0
-    assert p.gamma in range(1, 9) and p.draft in ("streamingllm", "snapkv")
+    assert p.gamma in range(1, 9) and p.draft in DEFAULT_DRAFTS
     # Runner-ups: other (draft, budget) pairs, best first, never better than the winner.
     pairs = [(e.draft, e.draft_budget) for e in p.runner_ups]
     assert len(pairs) == len(set(pairs)) and (p.draft, p.draft_budget) not in pairs

@@ -15,7 +15,7 @@ import hf_magicdec
 from conftest import RecentOnly, ragged_prompts
 from hf_magicdec import MagicDecConfig
 from hf_magicdec import views as views_module
-from hf_magicdec.views import Dynamic, Full, SnapKV, StreamingLLM, get_view, register_view
+from hf_magicdec.views import Dynamic, Full, SnapKV, StreamingLLM, Verified, get_view, register_view
 
 
 # ---------------------------------------------------------------------------------- the views
@@ -34,8 +34,9 @@ from hf_magicdec.views import Dynamic, Full, SnapKV, StreamingLLM, get_view, reg
         (lambda: MagicDecConfig.from_any(draft="snapkv", pool_kernel=4), "pool_kernel"),
         (lambda: MagicDecConfig.from_any(pool_kernel=4), "pool_kernel"),  # "auto": checked by the views that have it
         (lambda: MagicDecConfig.from_any(draft="dynamic", page_size=0), "page_size"),
-        # "auto" chooses among streamingllm and snapkv: another view's option is refused, naming the view
-        (lambda: MagicDecConfig.from_any(page_size=8), r"belong to the 'dynamic' draft view.*pass draft='dynamic'"),
+        # "auto" chooses among streamingllm, snapkv and verified: another view's option is refused, naming the view
+        (lambda: MagicDecConfig.from_any(static_tokens=3),
+         r"belong to the 'recent-only' draft view.*pass draft='recent-only'"),
     ],
 )
 def test_view_options_are_validated_with_clear_errors(make, match):
@@ -84,8 +85,8 @@ def test_config_holds_a_view_and_from_any_parses_names_and_flat_options():
     assert MagicDecConfig().view is None and MagicDecConfig().draft_name == "auto"
     # "auto": each option goes to the candidates that have it; choosing a view keeps the ones it has.
     auto = MagicDecConfig.from_any(sink_tokens=2, window=8)
-    assert auto.candidates == (StreamingLLM(sink_tokens=2), SnapKV(window=8))
-    assert MagicDecConfig().candidates == (StreamingLLM(), SnapKV())
+    assert auto.candidates == (StreamingLLM(sink_tokens=2), SnapKV(window=8), Verified(sink_tokens=2, window=8))
+    assert MagicDecConfig().candidates == (StreamingLLM(), SnapKV(), Verified())
     assert MagicDecConfig.from_any(auto, draft="snapkv").view == SnapKV(window=8)
     assert MagicDecConfig.from_any(auto, draft=SnapKV(pool_kernel=3)).view == SnapKV(pool_kernel=3)
     assert MagicDecConfig.from_any(auto.to_dict()) == auto

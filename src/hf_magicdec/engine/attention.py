@@ -149,6 +149,11 @@ def magicdec_attention_forward(
             return gqa_attention(query, key, value, attention_mask[..., : key.shape[2]], scaling, softcap,
                                  sinks), None
         scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+        page = forward.mass_page_size(layer_idx)
+        if page:  # the verify's attention mass per page of keys, for a verification-guided view
+            out, mass = kernels.segment_attention(query, key, value, segments, scale, softcap, sinks, page_size=page)
+            forward.record_mass(layer_idx, mass)
+            return out, None
         return kernels.segment_attention(query, key, value, segments, scale, softcap, sinks), None
     forward.observe(layer_idx, query, scaling)
     return gqa_attention(query, key, value, attention_mask, scaling, softcap, sinks), None

@@ -64,6 +64,9 @@ class Drafter(Protocol):
         """The draft step function of one round (``tokens``: the ``[B, capacity]`` token history,
         ``rows [b]`` the working rows, ``seq_len [b]`` their lengths including the pending token)."""
 
+    def feeds_views(self, gamma: int) -> bool:
+        """Whether the target's commit after a step of ``gamma`` drafts updates the draft views."""
+
     def commit(self, emitted: torch.Tensor, accepted: torch.Tensor, gamma: int) -> None:
         """After the target committed ``emitted [b]`` tokens per row (``accepted [b]`` of ``gamma`` drafts)."""
 
@@ -100,9 +103,18 @@ class SelfDrafter:
         self.cache: MagicDecCache | None = None
         self.refresher: Refresher | None = None
         self.refreshes = 0
+        self.stale = False  # plain-decoding steps left the views' windows behind
 
     def observation_window(self) -> int:
         return self.view.observation_window() if self.config.gamma != 0 else 0
+
+    def feeds_views(self, gamma: int) -> bool:
+        # A schedule's plain steps (γ = 0) leave the windows alone: syncing them once, before the
+        # next draft, costs one gather of the window instead of a copy at every plain step.
+        if gamma == 0 and self.cache is not None and self.cache.geometry is not None:
+            self.stale = True
+            return False
+        return True
 
     def prepare(self, target, input_ids, position_ids, max_new_tokens, scratch) -> None:
         self.cache = target
@@ -115,11 +127,14 @@ class SelfDrafter:
             target.attach(self.refresher)
 
     def round(self, target, tokens, rows, seq_len, gamma) -> DraftStep:
+        if self.stale:
+            target.sync_windows()
+            self.stale = False
         call = self.draft_call
         return lambda i, tok: draft_step(call, target, tok, i)
 
     def commit(self, emitted, accepted, gamma) -> None:
-        if self.refresher is not None:  # re-select a static view (hf_magicdec.engine.refresh)
+        if self.refresher is not None and not self.stale:  # re-select a static view (engine/refresh.py)
             self.refreshes += self.refresher.after_commit(self.cache, emitted, accepted, gamma)
 
     def select_rows(self, rows) -> None:
@@ -173,6 +188,9 @@ class ModelDrafter:
 
     def observation_window(self) -> int:
         return 0  # the target keeps no view of its own
+
+    def feeds_views(self, gamma: int) -> bool:
+        return True  # the target has no views; this drafter feeds its own from its scratch
 
     def prepare(self, target, input_ids, position_ids, max_new_tokens, scratch) -> None:
         """Prefill the draft model on the prompts, build its views, free its full cache."""

@@ -1,8 +1,9 @@
 """γ policies: how many tokens the next speculation step drafts.
 
 A policy has a ``gamma`` (the γ of the next step) and answers one question after every step,
-:meth:`after_step`, with the step's pooled counts read in the step's one host read (so it adds
-none of its own). Under ``synced_gpus`` every rank asks it every iteration, idle ranks with zero
+:meth:`after_step`, with the step's counts read in the step's one host read (so it adds none of
+its own): accepted and drafted tokens, rows alive and their tokens. γ = 0 is a step of plain
+decoding (a schedule turns speculation off where it does not pay). Under ``synced_gpus`` every rank asks it every iteration, idle ranks with zero
 counts, so that all ranks agree on γ.
 """
 
@@ -19,7 +20,7 @@ class FixedGamma:
     def __init__(self, gamma: int):
         self.gamma = gamma
 
-    def after_step(self, accepted: int, drafted: int) -> int:
+    def after_step(self, accepted: int, drafted: int, alive: int = 0, context: int = 0) -> int:
         return self.gamma
 
 
@@ -32,7 +33,10 @@ class AdaptiveGamma:
         self.controller, self.lockstep = controller, lockstep
         self.gamma = controller.gamma
 
-    def after_step(self, accepted: int, drafted: int) -> int:
-        """``accepted`` draft tokens of ``drafted`` (γ × rows that drafted) in the last step."""
-        self.gamma = self.controller.update(*self.lockstep.pool(accepted, drafted))
+    def after_step(self, accepted: int, drafted: int, alive: int = 0, context: int = 0) -> int:
+        """``accepted`` draft tokens of ``drafted`` (γ × rows that drafted) in the last step;
+        ``alive`` rows left, with ``context`` tokens in all (their mean is the context γ is chosen
+        for, when it follows the context)."""
+        accepted, drafted, alive, context = self.lockstep.pool(accepted, drafted, alive, context)
+        self.gamma = self.controller.update(accepted, drafted, alive, context // alive if alive else 0)
         return self.gamma

@@ -62,6 +62,7 @@ class _Read:
     longest: int  # longest row of the cache once the step is committed
     longest_alive: int  # longest unfinished row
     accepted: int  # draft tokens accepted this step, all rows
+    context: int  # tokens of the unfinished rows, in all (a schedule chooses γ for their mean)
     drafted: int  # draft tokens drafted this step, all rows
     finished: torch.Tensor | None = None
 
@@ -109,10 +110,11 @@ class Engine:
         self.past = past if past is not None else Continuation(None)
         b, stopper, position_ids = self._start(input_ids, attention_mask, position_ids)
         read = self._begin(b, stopper, input_ids, position_ids)
+        self.gamma.after_step(0, 0, read.alive, read.context)  # the first γ, for the prompt's context
         while self.lockstep.any_alive(read.alive > 0):
             gamma = self.gamma.gamma
             read = self._step(b, stopper, gamma, read) if read.alive else self._idle_step(gamma)
-            self.gamma.after_step(read.accepted, read.drafted)
+            self.gamma.after_step(read.accepted, read.drafted, read.alive, read.context)
         self.observers.on_end()
         return self._sequences(b)
 
@@ -122,7 +124,7 @@ class Engine:
         if max_new == 0:  # nothing to generate; under synced_gpus the others' prefill forwards are matched
             self.lockstep.plan_forwards(0)
             self.lockstep.match_forwards()
-            return _Read(0, 0, 0, 0, 0)
+            return _Read(0, 0, 0, 0, 0, 0)
         logits = self._prefill(input_ids, position_ids, max_new)[:, -1:].float()
         first, scores = self._choose(b, logits)
         self.lockstep.match_forwards()
@@ -147,7 +149,8 @@ class Engine:
         tokens.scatter_(1, accepted[:, None], nxt[:, None])  # [b, γ+1]; the first accepted + 1 are real
         emitted, finished = self._emit(b, stopper, tokens, (accepted + 1).masked_fill(b.dead, 0), scores, logits)
         read = self._read(finished, emitted, accepted, gamma * last.alive)
-        self.cache.commit(emitted, read.longest)  # the verified KV of the emitted tokens
+        # The verified KV of the emitted tokens; the draft views' windows only when they are read soon.
+        self.cache.commit(emitted, read.longest, feed_views=self.drafter.feeds_views(gamma))
         self.drafter.commit(emitted, accepted, gamma)
         self.observers.on_step(b.rows.masked_fill(b.dead, -1), accepted, gamma, t1 - t0, t2 - t1)
         return read
@@ -157,7 +160,7 @@ class Engine:
         forwards of a real step (γ draft forwards when the model drafts on its own views, one
         verify), on nothing, and nothing accepted."""
         self.lockstep.idle_forwards((gamma if self.drafter.on_target else 0) + 1)
-        return _Read(0, 0, 0, 0, 0)
+        return _Read(0, 0, 0, 0, 0, 0)
 
     # ------------------------------------------------------------------ the step's parts
     def _start(self, input_ids, attention_mask, position_ids):
@@ -222,14 +225,16 @@ class Engine:
     def _read(self, finished: torch.Tensor, emitted: torch.Tensor | None, accepted: torch.Tensor | None,
               drafted: int) -> _Read:
         """The step's one device→host read: rows alive, the longest row and the longest alive row
-        once ``emitted`` is committed (None: nothing to commit), and the accepted drafts."""
+        once ``emitted`` is committed (None: nothing to commit), the accepted drafts and the alive
+        rows' tokens."""
         lengths = self.cache.lengths
         if emitted is not None:
             lengths = lengths + emitted.to(lengths.device)
         alive = (~finished).to(lengths.device)
         total = accepted.sum().to(lengths.device) if accepted is not None else lengths.new_zeros(())
-        counts = torch.stack([alive.sum(), lengths.max(), torch.where(alive, lengths, 0).max(), total]).tolist()
-        return _Read(*counts, drafted=drafted, finished=finished)
+        tokens = torch.where(alive, lengths - self.cache.pad, 0).sum()
+        counts = torch.stack([alive.sum(), lengths.max(), torch.where(alive, lengths, 0).max(), total, tokens])
+        return _Read(*counts.tolist(), drafted=drafted, finished=finished)
 
     def _drop_finished(self, b: _Rows, last: _Read) -> None:
         """Finished rows leave the working batch at once, except under compiled steps: there they

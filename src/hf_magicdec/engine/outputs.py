@@ -104,6 +104,18 @@ class SpeculationStats:
                 counts[n] += 1
         return counts
 
+    def schedule(self) -> list[tuple[int, int, int]]:
+        """γ over the generation as runs ``(first step, last step, γ)`` (1-based, inclusive):
+        γ = 0 steps decoded plainly on MagicDec's cache (a schedule that waits for the context to
+        grow, or that turned speculation off)."""
+        runs: list[tuple[int, int, int]] = []
+        for step, gamma in enumerate(self.gamma_trace, start=1):
+            if runs and runs[-1][2] == gamma:
+                runs[-1] = (runs[-1][0], step, gamma)
+            else:
+                runs.append((step, step, gamma))
+        return runs
+
     @property
     def speculated(self) -> bool:
         """Whether the engine ran (False: the planner sent the call to stock decoding)."""
@@ -125,6 +137,7 @@ class SpeculationStats:
             "acceptance_rate": round(self.acceptance_rate, 4),
             "tokens_per_step": round(self.tokens_per_step, 4),
             "accepted_histogram": self.histogram(),
+            "gamma_schedule": self.schedule(),
             "prefill_seconds": self.prefill_seconds,
             "decode_seconds": self.decode_seconds,
             "draft_seconds": self.draft_seconds,
@@ -144,6 +157,10 @@ class SpeculationStats:
         lines = [f"{self.draft}/{self.draft_budget}{drafter}{weights}, {gamma}",
                  f"{self.steps} verification steps: acceptance {self.acceptance_rate:.3f}, "
                  f"{self.tokens_per_step:.2f} tokens per row and step, accepted drafts per step {self.histogram()}"]
+        runs = self.schedule()
+        if len(runs) > 1 or (runs and runs[0][2] == 0):
+            shown = ", ".join(f"{a}-{b}: {g}" for a, b, g in runs[:12]) + (" ..." if len(runs) > 12 else "")
+            lines.append(f"gamma by step: {shown}")
         if self.refreshes:
             lines.append(f"view re-selected {self.refreshes} times")
         lines.append(f"prefill {self.prefill_seconds:.2f} s, decode {self.decode_seconds:.2f} s "

@@ -103,8 +103,8 @@ class Refresher:
         """A refresher when ``config`` asks for one and the view has a static part to refresh."""
         if config.refresh_every is None and config.refresh_below is None:
             return None
-        if getattr(view, "query_aware", False) or cache.static_slots == 0:
-            return None  # re-selected every step anyway / nothing static (full)
+        if getattr(view, "reselects", False) or cache.static_slots == 0:
+            return None  # re-selected by the view itself / nothing static (full)
         return cls(config, view, cache.lengths)
 
     def select_rows(self, rows: torch.Tensor) -> None:

@@ -233,13 +233,13 @@ class Lockstep:
             return value
         return self._reduce([value], torch.distributed.ReduceOp.MIN)[0]
 
-    def pool(self, accepted: int, drafted: int) -> tuple[int, int]:
-        """Acceptance counts summed over all ranks under ``synced_gpus`` (adaptive γ), so that
-        every rank's controller sees the same numbers and picks the same γ."""
+    def pool(self, *counts: int) -> tuple[int, ...]:
+        """Counts summed over all ranks under ``synced_gpus`` (adaptive γ: accepted and drafted
+        tokens, rows alive and their tokens), so that every rank's controller sees the same numbers
+        and picks the same γ."""
         if not self.synced:
-            return accepted, drafted
-        a, d = self._reduce([accepted, drafted], torch.distributed.ReduceOp.SUM)
-        return a, d
+            return counts
+        return tuple(self._reduce(list(counts), torch.distributed.ReduceOp.SUM))
 
     def watch(self, model) -> None:
         """Count ``model``'s forwards (``synced_gpus``) so prefill forward counts can be matched."""

@@ -1,8 +1,9 @@
-"""Adaptive γ: re-pick the draft length after every verification from the acceptance observed so far."""
+"""Adaptive γ: re-pick the draft length after every verification from the acceptance observed so far,
+and, for a schedule, from the live batch and the context the generation has reached."""
 
 from __future__ import annotations
 
-from .speculation import omega
+from .schedule import StepModel, best_gamma
 
 __all__ = ["GammaController"]
 
@@ -23,18 +24,30 @@ class GammaController:
         Largest γ allowed (the draft view's rolling window must hold γ + 1 tokens).
     alpha : float
         Prior α (the plan's).
-    draft_ratio : float
-        T_D / T_T.
-    verify_ratio : dict[int, float]
-        T_V(γ) / T_T for γ in ``1..max_gamma``.
+    draft_ratio : float, optional
+        T_D / T_T, fixed.
+    verify_ratio : dict[int, float], optional
+        T_V(γ) / T_T for γ in ``1..max_gamma``, fixed.
+    step_model : StepModel, optional
+        The ratios as functions of the live batch and the context, instead of fixed ones: γ then
+        follows the context (:mod:`.schedule`).
+    allow_off : bool
+        γ may be 0 (plain decoding on MagicDec's cache) where speculation does not pay, switching
+        with hysteresis (:data:`.schedule.SWITCH_MARGIN`).
     """
 
-    def __init__(self, gamma: int, max_gamma: int, alpha: float, draft_ratio: float, verify_ratio: dict[int, float]):
+    def __init__(self, gamma: int, max_gamma: int, alpha: float, draft_ratio: float | None = None,
+                 verify_ratio: dict[int, float] | None = None, *, step_model: StepModel | None = None,
+                 allow_off: bool = False):
+        if step_model is None and (draft_ratio is None or verify_ratio is None):
+            raise ValueError("GammaController needs draft_ratio and verify_ratio, or a step_model.")
         self.gamma = min(gamma, max_gamma)
         self.max_gamma = max_gamma
         self.prior = alpha
         self.draft_ratio = draft_ratio
         self.verify_ratio = verify_ratio
+        self.step_model = step_model
+        self.allow_off = allow_off
         self.accepted = 0
         self.drafted = 0
 
@@ -42,14 +55,19 @@ class GammaController:
     def alpha(self) -> float:
         return (self.accepted + PRIOR_WEIGHT * self.prior) / (self.drafted + PRIOR_WEIGHT)
 
-    def update(self, accepted: int, drafted: int) -> int:
-        """Add one step's pooled counts; returns the γ for the next step."""
+    def update(self, accepted: int, drafted: int, batch: int | None = None, context: int | None = None) -> int:
+        """Add one step's pooled counts; returns the γ for the next step (at ``batch`` live rows and
+        ``context`` tokens per row, for a step model; ignored with fixed ratios)."""
         self.accepted += accepted
         self.drafted += drafted
-        alpha = min(self.alpha, 0.999)
-
-        def value(g: int) -> float:
-            return omega(g, alpha) / (g * self.draft_ratio + self.verify_ratio[g])
-
-        self.gamma = max(range(1, self.max_gamma + 1), key=value)
+        if not drafted and not self.allow_off:
+            return self.gamma  # no new evidence (the call before the first step): keep the starting γ
+        if self.step_model is not None and batch:
+            _, draft_ratio, verify_ratio = self.step_model.ratios(batch, max(int(context or 1), 1))
+        elif self.step_model is not None:
+            return self.gamma  # nothing alive here: keep γ (an idle rank follows the others' counts)
+        else:
+            draft_ratio, verify_ratio = self.draft_ratio, self.verify_ratio
+        verify_ratio = {g: v for g, v in verify_ratio.items() if g <= self.max_gamma}
+        self.gamma, _ = best_gamma(self.alpha, draft_ratio, verify_ratio, self.allow_off, self.gamma)
         return self.gamma

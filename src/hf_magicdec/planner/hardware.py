@@ -82,6 +82,13 @@ class HardwareSpec:
     layer_overhead: float = 0.0
     captured: bool = True
 
+    def __reduce__(self):
+        """Picklable (a plan's step model is broadcast to the other ranks): the read-only mapping
+        travels as a dict and is made read-only again on the other side."""
+        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        fields["peak_flops"] = dict(self.peak_flops)
+        return (_rebuild, (type(self), fields))
+
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
             raise ValueError(f"name must be a non-empty str, got {self.name!r}.")
@@ -211,3 +218,7 @@ def get_hardware(name: str | HardwareSpec, tp: int = 1) -> HardwareSpec:
         raise ValueError(f"Unknown hardware {name=!r}; presets: {sorted(HARDWARE_PRESETS)}.")
     spec = HARDWARE_PRESETS[key]
     return spec if tp == 1 else spec.with_tp(tp)
+
+
+def _rebuild(cls, fields):
+    return cls(**fields)

@@ -2,7 +2,8 @@
 that plain decoding is faster.
 
 Search: every (draft, budget, γ) with ``budget < prompt_len`` (a larger view holds the whole
-prompt: nothing is compressed) that the view accepts (``view.fits(budget, gamma)``, the same
+prompt: nothing is compressed; with ``schedule=True``, where γ follows the context, ``budget <
+prompt_len + new_tokens``: the view holds everything until the generation outgrows it) that the view accepts (``view.fits(budget, gamma)``, the same
 check as :class:`~hf_magicdec.MagicDecConfig`), evaluated at the mean context over the
 generation, ``prompt_len + new_tokens / 2``. Step times come from the roofline on ``hardware``
 (or on the calibrated device when ``calibration`` is given).
@@ -20,17 +21,18 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable, Protocol
 
 from ._checks import check_int
-from .acceptance import AcceptanceLike
+from .acceptance import WEIGHTS_SEPARATOR, AcceptanceLike, resolve_acceptance
 from .hardware import HardwareSpec, get_hardware
 from .modelspec import ModelSpec
 from .roofline import target_step
+from .schedule import SWITCH_MARGIN, StepModel, context_points, scheduled_speedup
 from .speculation import Estimate, estimate
 
 __all__ = ["Plan", "search_plan", "DraftLike", "DEFAULT_BUDGETS", "DEFAULT_DRAFTS", "DEFAULT_DRAFT_MODEL_DRAFTS",
            "DEFAULT_GAMMAS"]
 
 #: View names the callers resolve (``hf_magicdec.plan``, ``generate`` with ``draft="auto"``).
-DEFAULT_DRAFTS = ("streamingllm", "snapkv")
+DEFAULT_DRAFTS = ("streamingllm", "snapkv", "verified")
 #: Views considered for a separate draft model's cache (``"full"`` keeps all of it).
 DEFAULT_DRAFT_MODEL_DRAFTS = ("full", "streamingllm", "snapkv")
 DEFAULT_BUDGETS = (128, 256, 512, 1024, 2048)
@@ -209,6 +211,7 @@ def search_plan(
     draft_model_drafts: Iterable[DraftLike] | None = None,
     self_speculation: bool = True,
     draft_weights: Iterable[str] = ("full",),
+    schedule: bool = False,
 ) -> Plan:
     """Choose draft view, budget and γ for a workload, or plain decoding.
 
@@ -253,6 +256,11 @@ def search_plan(
         Weights the self-draft may read: ``"full"`` and/or quantized formats (``"int8"``,
         ``"fp16"``, ``"int4"``), each priced by its weight bytes (and the device's rate for the format) with
         its own α (``"<view>@<format>"``).
+    schedule : bool
+        Price self-speculation candidates as adaptive γ runs them: γ chosen per step from the
+        context the generation has reached, γ = 0 (plain decoding) where speculation does not pay
+        (:mod:`.schedule`), the speedup integrated over the generation from ``prompt_len`` to
+        ``prompt_len + new_tokens``; ``gamma`` is then the best γ at the mean context.
 
     Returns
     -------
@@ -288,9 +296,14 @@ def search_plan(
                   model=spec.name, hardware=hw.name + (f" x{hw.tp}" if hw.tp > 1 else ""))
     price = dict(batch=batch_size, context=s, acceptance=acceptance, t_target=tt)
     # (estimate, view) of every candidate the view accepts.
+    # A budget must compress something: below the prompt, or, when γ follows the context, below
+    # where the generation ends (the view holds everything until the context outgrows it).
+    limit = prompt_len + new_tokens if schedule else prompt_len
     candidates = [(estimate(spec, hw, draft=d, budget=k, gamma=g, draft_weights=w, **price), d)
-                  for d in drafts if self_speculation and d.name != "full" for k in budgets if k < prompt_len
+                  for d in drafts if self_speculation and d.name != "full" for k in budgets if k < limit
                   for g in gammas if d.fits(k, g) for w in weight_formats]
+    if schedule:
+        candidates = _scheduled(candidates, spec, hw, batch_size, prompt_len, new_tokens, acceptance)
     if draft_model is not None:
         dspec = _model_spec(draft_model, dtype)
         for d in draft_model_drafts:
@@ -300,10 +313,35 @@ def search_plan(
                            for k in view_budgets for g in gammas if d.name == "full" or d.fits(k, g)]
     if not candidates:
         return Plan(False, None, None, None, 1.0, None, None, tt, None, None, (),
-                    reason=f"no candidate: every budget in {budgets} is >= prompt_len={prompt_len} "
+                    reason=f"no candidate: every budget in {budgets} is >= "
+                           f"{'prompt + new tokens' if schedule else 'prompt_len'}={limit} "
                            "(nothing to compress) or invalid for the given gammas",
                     **common)
     return _best(candidates, tt, min_speedup, common)
+
+
+def _scheduled(candidates: list, spec: ModelSpec, hw: HardwareSpec, batch: int, prompt_len: int, new_tokens: int,
+               acceptance: AcceptanceLike) -> list:
+    """Per (view, budget, weights), the best γ's estimate at the mean context, its speedup replaced
+    by the schedule's over the whole generation (:func:`.schedule.scheduled_speedup`)."""
+    best: dict[tuple, tuple] = {}
+    for est, view in candidates:
+        key = (est.draft, est.draft_budget, est.draft_weights)
+        best.setdefault(key, []).append((est, view))
+    points = context_points(prompt_len, new_tokens)
+    out = []
+    for (name, budget, weights), group in best.items():
+        est, view = max(group, key=lambda c: c[0].speedup)
+        drafter = spec if weights == "full" else spec.with_weights(weights)
+        model = StepModel(spec, hw, drafter, budget, view, tuple(e.gamma for e, _ in group))
+        alpha_name = name if weights == "full" else f"{name}{WEIGHTS_SEPARATOR}{weights}"
+        speedup, gammas = scheduled_speedup(model, batch, points,
+                                            lambda c: resolve_acceptance(acceptance, alpha_name, budget, c), True)
+        # Never on: plain decoding on MagicDec's cache, not worth a speculative call (the estimate,
+        # below where the schedule would switch on).
+        out.append((dataclasses.replace(est, speedup=speedup) if any(gammas)
+                    else dataclasses.replace(est, speedup=min(est.speedup, 1.0 - SWITCH_MARGIN)), view))
+    return out
 
 
 def _search_space(drafts, draft_model_drafts, budgets, gammas, draft_weights, self_speculation, draft_model):

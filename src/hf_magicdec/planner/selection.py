@@ -13,6 +13,13 @@ each group costing ``max(FLOPs / peak, bytes / bandwidth)`` (their sum without o
 roofline's. Not modelled: the top-k over ``⌈S/P⌉`` pages and the kernel launches of selection.
 ``S`` is the context the planner evaluates at (prompt + half the new tokens), a slight
 overestimate: summaries only cover the prompt. No selection when the view holds the context.
+
+A view that re-chooses its static part after verifications (``view.reselects`` without
+``query_aware``, e.g. ``verified``) pays, once per ``every`` verifications and per layer, the
+gather of its static part (``2·2·Hkv·K·Dh·kvb`` bytes) and a top-k over ``⌈S/P⌉`` page masses
+(not modelled, like dynamic's); the mass itself comes out of the verify attention's kernel
+(``B·Hkv·⌈S/P⌉`` fp32 written per layer, included). :func:`choice_seconds` gives that per
+verification.
 """
 
 from __future__ import annotations
@@ -26,7 +33,7 @@ from .hardware import HardwareSpec
 from .modelspec import ModelSpec
 from .roofline import _group
 
-__all__ = ["selection_seconds"]
+__all__ = ["selection_seconds", "choice_seconds"]
 
 
 def selection_seconds(model: ModelSpec, hardware: HardwareSpec, batch: int, context: int, budget: int,
@@ -70,3 +77,28 @@ def selection_seconds(model: ModelSpec, hardware: HardwareSpec, batch: int, cont
     score = _group(flops, float(summaries), peak, bw, model.layers, hardware.overlap)
     move = _group(0.0, float(gather), peak, bw, model.layers, hardware.overlap)
     return score.seconds + move.seconds
+
+
+def choice_seconds(model: ModelSpec, hardware: HardwareSpec, batch: int, context: int, budget: int,
+                   draft: Any) -> float:
+    """Seconds per verification that ``draft`` spends re-choosing its view from the verify pass's
+    attention mass (0 for views that do not: static views and query-aware ones, which
+    :func:`selection_seconds` costs per draft step). Arguments as :func:`selection_seconds`; the
+    view's ``every`` (verifications per choice, default 1) amortizes the gather."""
+    check_int("batch", batch, 1)
+    check_int("context", context, 0)
+    check_int("budget", budget, 1)
+    if not getattr(draft, "reselects", False) or getattr(draft, "query_aware", False) or budget >= context:
+        return 0.0
+    page_size = getattr(draft, "page_size", DEFAULT_PAGE_SIZE)
+    every = getattr(draft, "every", 1)
+    check_int("page_size", page_size, 1)
+    check_int("every", every, 1)
+    tp = hardware.tp
+    kv_heads = math.ceil(model.kv_heads / tp)
+    mass = 4 * batch * kv_heads * math.ceil(context / page_size)
+    gather = 2 * 2 * batch * kv_heads * budget * model.head_dim * model.kv_bytes
+    peak, bw = hardware.peak(model.dtype), hardware.bandwidth
+    emit = _group(0.0, float(mass), peak, bw, model.layers, hardware.overlap)
+    move = _group(0.0, float(gather), peak, bw, model.layers, hardware.overlap)
+    return emit.seconds + move.seconds / every

@@ -20,7 +20,7 @@ from .acceptance import DRAFT_MODEL_PREFIX, WEIGHTS_SEPARATOR, AcceptanceLike, r
 from .hardware import HardwareSpec
 from .modelspec import ModelSpec
 from .roofline import draft_steps, target_step, verify_step
-from .selection import selection_seconds
+from .selection import choice_seconds, selection_seconds
 
 __all__ = ["omega", "speedup", "Estimate", "estimate", "critical_length"]
 
@@ -177,6 +177,7 @@ def estimate(model: ModelSpec, hardware: HardwareSpec, *, batch: int, context: i
     td_total = draft_steps(drafter, hardware, batch, context, budget, gamma)
     td_total += gamma * selection_seconds(drafter, hardware, batch, context, budget, draft)  # query-aware views (dynamic) re-select every step
     tv = verify_step(model, hardware, batch, context, gamma).seconds
+    tv += choice_seconds(drafter, hardware, batch, context, budget, draft)  # views chosen by the verifier (verified)
     return Estimate(view_name, budget, gamma, alpha, omega(gamma, alpha), tt, td_total / gamma, tv,
                     speedup(gamma, alpha, tt, td_total, tv), None if draft_model is None else draft_model.name,
                     draft_weights)

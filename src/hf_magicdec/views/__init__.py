@@ -17,6 +17,7 @@ from .dynamic import Dynamic, PageSelection
 from .full import Full
 from .snapkv import SnapKV, snapkv_scores
 from .streamingllm import StreamingLLM
+from .verified import Verified, VerifiedSelection
 
 # name -> a DraftView subclass (built with the options get_view receives) or an instance (its
 # fields are the defaults, get_view replaces the ones it receives).
@@ -87,7 +88,7 @@ def available_views() -> tuple[str, ...]:
     return tuple(_VIEWS)
 
 
-for _view in (StreamingLLM, SnapKV, Full, Dynamic):
+for _view in (StreamingLLM, SnapKV, Full, Dynamic, Verified):
     register_view(_view)
 
 __all__ = [
@@ -98,6 +99,8 @@ __all__ = [
     "ScoreContext",
     "SnapKV",
     "StreamingLLM",
+    "Verified",
+    "VerifiedSelection",
     "ViewCache",
     "available_views",
     "get_view",

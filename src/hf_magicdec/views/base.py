@@ -68,6 +68,11 @@ class ViewCache(Protocol):
         """View slots ``[start, start + n)`` of layer ``layer_idx`` take the full KV at ``slots
         [B, Hkv, n]`` where ``where`` holds."""
 
+    def full_layout(self, rows: torch.Tensor) -> None:
+        """Rows (``[B]`` bool) whose static part holds fewer than its slots (their prompt fitted the
+        view) get the full layout: the window its own slots with the latest tokens; the static part
+        is then the caller's to fill (``replace_static``)."""
+
 
 @dataclass
 class ScoreContext:
@@ -107,6 +112,9 @@ class DraftView:
     #: True for views that re-select their static part from each draft step's query (the state
     #: :meth:`prepare` returns does it, before every draft attention).
     query_aware: ClassVar[bool] = False
+    #: True for views that re-choose their static part themselves during generation (query-aware
+    #: views, the verification-guided view): refresh_every / refresh_below do not apply to them.
+    reselects: ClassVar[bool] = False
 
     # ------------------------------------------------------------------ options
     @classmethod

@@ -151,6 +151,7 @@ class Dynamic(DraftView):
 
     name = "dynamic"
     query_aware = True
+    reselects = True
 
     sink_tokens: int = DEFAULT_SINK_TOKENS
     page_size: int = DEFAULT_PAGE_SIZE

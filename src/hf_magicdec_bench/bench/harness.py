@@ -115,6 +115,9 @@ class Clock(BaseStreamer):
         self.progress = progress
         self.prefill: PrefillProgress | None = None
         self._rows = None
+        #: ``(new tokens of the streamed row, perf_counter)`` after every step from the first new
+        #: token: where the generation was when (the speedup-vs-position plot of long generations).
+        self.trace: list[tuple[int, float]] = []
 
     def put(self, value: torch.Tensor) -> None:
         now = time.perf_counter()
@@ -128,10 +131,12 @@ class Clock(BaseStreamer):
         if self.first is None:
             self.first = now
             self.close()
+        # Stock puts [B] (one token per row); MagicDec puts a row's [k] new tokens (after row 0
+        # finishes, the next live row's).
+        step = 1 if (self._rows > 1 and value.numel() == self._rows) else value.numel()
+        self.trace.append(((self.trace[-1][0] if self.trace else 0) + step, now))
         if self.progress is not None:
-            # Stock puts [B] (one token per row); MagicDec puts a row's [k] new tokens (after row 0
-            # finishes, the next live row's: capped at the bar's total).
-            step = 1 if (self._rows > 1 and value.numel() == self._rows) else value.numel()
+            # capped at the bar's total
             total = getattr(self.progress, "total", None)
             if total is not None:
                 step = max(0, min(step, int(total) - int(self.progress.n)))
@@ -255,6 +260,7 @@ def measure(run: Callable[[Clock], Any], repeats: int, device: torch.device, pro
         if sequences is not None and not torch.equal(sequences, seqs):
             raise RuntimeError("greedy outputs differ between repeats of the same method")
         sequences, stats = seqs, getattr(out, "speculation", None)
+        trace = [(n, t - clock.first) for n, t in clock.trace]
     return Measurement(
         prefill_s=statistics.median(prefill),
         decode_s=statistics.median(decode),
@@ -263,6 +269,7 @@ def measure(run: Callable[[Clock], Any], repeats: int, device: torch.device, pro
         sequences=sequences,
         speculation=stats,
         peak_bytes=max((p for p in peaks if p is not None), default=None),
+        extra={"trace": trace},
     )
 
 

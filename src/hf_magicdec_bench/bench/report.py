@@ -147,6 +147,9 @@ def plots(results: list[Result], out: Path, title: str) -> list[Path]:
     - ``throughput.png``: decode tokens/s per method at each (batch, context) point (with the
       rounds protocol: the median as the bar, each round as a dot, the range as an error bar);
     - ``speedup_vs_batch.png`` / ``speedup_vs_context.png`` when the grid varies that axis;
+    - ``speedup_vs_position.png`` (one per point) for long generations (``new_tokens`` >=
+      :data:`LONG_GENERATION`) with the rounds protocol: speedup over the static-cache baseline in
+      windows of the generation (:func:`position_speedups`);
     - ``acceptance_vs_budget.png`` per draft view when several budgets ran.
     """
     plt = _pyplot()
@@ -218,6 +221,13 @@ def plots(results: list[Result], out: Path, title: str) -> list[Path]:
         fig.savefig(written[-1], dpi=120)
         plt.close(fig)
 
+    for (b, c) in points:
+        rows = [r for r in results if (r.batch, r.context) == (b, c) and len(r.extra.get("position_trace") or ()) > 1]
+        if rows and rows[0].new_tokens >= LONG_GENERATION:
+            path = out / (f"speedup_vs_position_b{b}_s{c}.png" if len(points) > 1 else "speedup_vs_position.png")
+            if position_plot(rows, path, f"{title}\nbatch {b}, prompt {c}"):
+                written.append(path)
+
     mag = [r for r in results if r.method == "magicdec" and r.m.speculation is not None and r.m.speculation.steps]
     if len({r.m.speculation.draft_budget for r in mag}) >= 2:
         series = defaultdict(list)
@@ -227,6 +237,69 @@ def plots(results: list[Result], out: Path, title: str) -> list[Path]:
         written.append(out / "acceptance_vs_budget.png")
         acceptance_plot({(d, c, f"γ={g}"): pts for (d, c, g), pts in series.items()}, written[-1], title)
     return written
+
+
+#: New tokens from which a point gets the speedup-vs-position plot.
+LONG_GENERATION = 256
+#: Windows of the generation the position plot measures the speedup in.
+POSITION_WINDOWS = 16
+
+
+def _time_at(trace: list, position: float) -> float:
+    """Seconds since the first new token at which ``trace`` reached ``position`` (interpolated)."""
+    prev = (0, 0.0)
+    for pos, sec in trace:
+        if pos >= position:
+            span = pos - prev[0]
+            return prev[1] + (sec - prev[1]) * ((position - prev[0]) / span if span else 1.0)
+        prev = (pos, sec)
+    return trace[-1][1]
+
+
+def position_speedups(rows: list[Result], windows: int = POSITION_WINDOWS) -> tuple[str, dict[str, list]]:
+    """Per method, ``[(window mid-position, speedup in that window)]`` against the static-cache
+    baseline (stock's own cache when it did not run): the reference's time to go through the
+    window over the method's, from the rounds' median-run position traces."""
+    ref = next((r for r in rows if r.method == "stock-static"), None) or next(r for r in rows if r.method == "stock")
+    end = min(r.extra["position_trace"][-1][0] for r in rows)
+    edges = [end * i / windows for i in range(windows + 1)]
+    rt = [_time_at(ref.extra["position_trace"], e) for e in edges]
+    out = {}
+    for r in rows:
+        if r is ref:
+            continue
+        mt = [_time_at(r.extra["position_trace"], e) for e in edges]
+        out[r.label] = [((edges[i] + edges[i + 1]) / 2, (rt[i + 1] - rt[i]) / (mt[i + 1] - mt[i]))
+                        for i in range(windows) if mt[i + 1] > mt[i]]
+    return ref.label, out
+
+
+def position_plot(rows: list[Result], path: Path, title: str) -> bool:
+    """``speedup_vs_position.png``: each method's speedup over the static-cache baseline in windows
+    of the generation, by position (long generations: where speculation starts to pay). Returns
+    False without matplotlib."""
+    plt = _pyplot()
+    if plt is None:
+        return False
+    ref_label, series = position_speedups(rows)
+    ref = next(r for r in rows if r.label == ref_label)
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    for label, pts in series.items():
+        r = next(x for x in rows if x.label == label)
+        name = label + (f": {r.to_dict()['plan_label']}" if r.config is not None and r.config.planner_may_decline
+                        else "")
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker=".", label=name,
+                ls="--" if r.method in ("stock", "own-ar") else "-")
+    ax.axhline(1.0, color="#888", lw=0.8, ls="--")
+    ax.set_xlabel("new tokens generated (row 0)")
+    ax.set_ylabel(f"speedup vs {'static cache' if ref.method == 'stock-static' else 'stock'} "
+                  f"(windows of {rows[0].new_tokens // POSITION_WINDOWS} tokens)")
+    ax.set_title(title, fontsize=8)
+    ax.legend(fontsize=6)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True
 
 
 def acceptance_plot(series: dict, path: Path, title: str) -> bool:

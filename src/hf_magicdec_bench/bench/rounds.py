@@ -67,8 +67,8 @@ from .runner import (
     resolve_device,
 )
 
-__all__ = ["BUSY_SPREAD", "Method", "busy_warning", "prompt_cache", "rotation", "run_rounds", "spread",
-           "static_copy"]
+__all__ = ["BUSY_SPREAD", "Method", "busy_warning", "prompt_cache", "rotation", "run_rounds", "sample_trace",
+           "spread", "static_copy"]
 
 log = logging.getLogger("hf_magicdec")
 
@@ -335,6 +335,25 @@ def _run_point(spec, model, small, info, generate, ids, outer, token_bar, device
     return rows
 
 
+#: Points of a decode's position trace kept in the JSONL.
+TRACE_POINTS = 64
+
+
+def sample_trace(trace: list[tuple[int, float]], new_tokens: int, points: int = TRACE_POINTS) -> list[list[float]]:
+    """``[[position, seconds since the first new token], ...]`` at about ``points`` positions
+    spread over the generation (the first step at or past each), from a :class:`.harness.Clock`
+    trace."""
+    if not trace:
+        return []
+    every = max(1, new_tokens // points)
+    out, mark = [], every
+    for position, seconds in trace:
+        if position >= mark or position == trace[-1][0]:
+            out.append([position, round(seconds, 4)])
+            mark = (position // every + 1) * every
+    return out
+
+
 def _aggregate(m: Method, batch: int, context: int, new_tokens: int, base: torch.Tensor) -> Result:
     """One :class:`Result` from a method's rounds: medians, spread, the median round's statistics."""
     m.rounds.sort(key=lambda t: t[0])
@@ -345,7 +364,8 @@ def _aggregate(m: Method, batch: int, context: int, new_tokens: int, base: torch
     peaks = [x.peak_bytes for x in runs if x.peak_bytes is not None]
     meas = Measurement(prefill_s=statistics.median(prefill), decode_s=statistics.median(decode),
                        prefill_all=prefill, decode_all=decode, sequences=runs[mid].sequences,
-                       speculation=runs[mid].speculation, peak_bytes=max(peaks, default=None))
+                       speculation=runs[mid].speculation, peak_bytes=max(peaks, default=None),
+                       extra=runs[mid].extra)
     res = Result(m.method, m.label, batch, context, new_tokens, meas, m.config)
     same = all(torch.equal(x.sequences, base) for x in runs)
     if m.method == "stock":  # the baseline: continuing from its cache must give the reference's tokens
@@ -356,6 +376,7 @@ def _aggregate(m: Method, batch: int, context: int, new_tokens: int, base: torch
     if not same:
         log.error("%s output differs from stock generate at B=%d S=%d", m.label, batch, context)
     res.extra.update(
+        position_trace=sample_trace(runs[mid].extra.get("trace", []), new_tokens),
         rounds=len(runs),
         round_position=[p for _, p, _, _ in m.rounds],
         decode_spread=spread(decode),

@@ -269,6 +269,7 @@ class Result:
                 accepted_histogram=s.histogram(),
                 tokens_per_step=s.tokens_per_step,
                 mean_gamma=s.mean_gamma,
+                gamma_schedule=s.schedule(),  # (first step, last step, γ) runs: where it speculated
                 resolved={"draft": s.draft, "draft_budget": s.draft_budget, "adaptive_gamma": s.adaptive_gamma},
                 plan=s.plan,
                 breakdown=self.breakdown(),

@@ -47,7 +47,9 @@ __all__ = ["CacheHook", "MagicDecCache", "PromptSnapshot"]
 
 class CacheHook(Protocol):
     """Per-row state kept beside a cache (:meth:`MagicDecCache.attach`). Optionally also
-    ``on_draft_query(cache, layer_idx, query, scaling)`` / ``on_verify_query(...)``."""
+    ``on_draft_query(cache, layer_idx, query, scaling)`` / ``on_verify_query(...)``, and for the
+    verify's attention mass ``verify_page_size(num_tokens)`` / ``on_verify_mass(cache, layer_idx,
+    mass)``, and ``on_commit(cache)`` after every :meth:`MagicDecCache.commit`."""
 
     def select_rows(self, rows: torch.Tensor) -> None:
         """Keep only these rows (``[b']`` indices into the current rows)."""
@@ -366,7 +368,7 @@ class MagicDecCache(Cache):
         self._hooks.append(hook)
 
     # ------------------------------------------------------------------ commit / rows
-    def commit(self, num_tokens: torch.Tensor, max_length: int | None = None) -> None:
+    def commit(self, num_tokens: torch.Tensor, max_length: int | None = None, feed_views: bool = True) -> None:
         """Keep the first ``num_tokens[b]`` verified tokens of each row (the rest is rolled back)
         and append their target KV to every draft view's rolling window.
 
@@ -375,18 +377,24 @@ class MagicDecCache(Cache):
         num_tokens : ``[B]`` int, in ``[0, q]`` where ``q`` is the open verify's token count.
         max_length : the new ``lengths.max()`` when the caller read it already (the engine reads
             it with its one host read per step); None: read here.
+        feed_views : False: leave the windows as they are (plain-decoding steps of a schedule,
+            whose views nobody reads); :meth:`sync_windows` brings them up to date before drafting.
         """
         verify = self._forward
         if not isinstance(verify, VerifyForward):
             raise RuntimeError("MagicDecCache.commit() follows a verify forward (begin_verify).")
         num_tokens = num_tokens.to(self._lengths.device).long()
-        if self._geometry is not None:
+        if self._geometry is not None and feed_views:
             j = torch.arange(verify.num_tokens, device=self._lengths.device)
             src = (self._lengths[:, None] + j).clamp(max=self._capacity - 1)  # [B, q]
             self._append_to_windows(src, num_tokens, from_full_cache=True)
         self._lengths += num_tokens
         self._max_len = max_length if max_length is not None else self._read_max_length()
         self._forward = None
+        for hook in self._hooks:  # e.g. the verification-guided view chooses its static part
+            on_commit = getattr(hook, "on_commit", None)
+            if on_commit is not None:
+                on_commit(self)
 
     def _read_max_length(self) -> int:
         return int(self._lengths.max().item()) if self._lengths.numel() else 0
@@ -403,6 +411,45 @@ class MagicDecCache(Cache):
         dev = self._lengths.device
         self._append_to_windows(self._geometry.view_slots + src.to(dev), count.to(dev).long(), from_full_cache=False)
         self._forward = None
+
+    def sync_windows(self) -> None:
+        """Make every rolling window hold what committing with ``feed_views=True`` all along would
+        have put there: the last tokens of each row after its static region, at the same slots
+        (commits with ``feed_views=False`` left them behind)."""
+        geometry = self._geometry
+        dev = self._lengths.device
+        count = (self._lengths - self._pad) - geometry.static_candidates  # tokens that entered the window
+        held = torch.minimum(count, geometry.ring_size)
+        j = torch.arange(geometry.view_slots, device=dev)[None, :]
+        token = (count - held)[:, None] + j  # window token index, oldest kept first
+        src = (self._pad + geometry.static_candidates)[:, None] + token
+        src = src.clamp(max=max(self._capacity - 1, 0))
+        dst = geometry.static_count[:, None] + token % geometry.ring_size[:, None]
+        dst = torch.where(j < held[:, None], dst, torch.full_like(dst, geometry.trash_slot))
+        on = per_device(src, dst)
+        for layer in self.layers:
+            s, d = on(layer.draft.keys.device)
+            layer.draft.append(layer.keys, layer.values, s, d)
+        geometry.advance(count - geometry.ring_ptr)
+
+    def full_layout(self, rows: torch.Tensor) -> None:
+        """Rows (``[B]`` bool) whose static part holds fewer tokens than its ``static_slots`` (their
+        prompt fitted the view, so the window took the rest) get the full layout: the static part
+        all its slots, the window ``window_slots`` holding the row's latest tokens. The static part's
+        contents are then the caller's to write (:meth:`replace_static`). Masked: no host read; a
+        row must hold at least ``static_slots + window_slots`` tokens."""
+        g = self._geometry
+        rows = rows.to(self._lengths.device) & (g.static_count < g.static_slots)
+        width = g.window_slots
+        window_start = (self._lengths - self._pad) - width  # tokens before the new window
+        j = torch.arange(width, device=rows.device)[None, :]
+        src = ((self._pad + window_start)[:, None] + j).clamp(min=0, max=max(self._capacity - 1, 0))
+        dst = torch.where(rows[:, None], g.static_slots + j, torch.full_like(j, g.trash_slot))
+        on = per_device(src, dst)
+        for layer in self.layers:
+            s, d = on(layer.draft.keys.device)
+            layer.draft.append(layer.keys, layer.values, s, d)
+        g.relayout(rows, window_start)
 
     def _append_to_windows(self, src: torch.Tensor, count: torch.Tensor, from_full_cache: bool) -> None:
         """Copy slots ``src[b, :count[b]]`` of each row, taken from the full cache or from the draft

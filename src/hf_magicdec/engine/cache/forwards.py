@@ -71,6 +71,10 @@ class Forward:
     def before_attention(self, layer_idx: int, query: torch.Tensor, scaling: float | None) -> None:
         """Called by the attention function before the attention of a draft or verify forward."""
 
+    def mass_page_size(self, layer_idx: int) -> int:
+        """Pages of keys whose attention mass this forward's attention emits (0: none)."""
+        return 0
+
     def observe(self, layer_idx: int, query: torch.Tensor, scaling: float | None) -> None:
         """Called by the attention function during prefill."""
 
@@ -172,3 +176,20 @@ class VerifyForward(Forward):
             on_query = getattr(hook, "on_verify_query", None)
             if on_query is not None:
                 on_query(self.cache, layer_idx, query, scaling)
+
+    def mass_page_size(self, layer_idx: int) -> int:
+        """Pages this verify's attention emits its attention mass for (0: none): asked of the
+        attached state (the verification-guided view chooses the draft's KV from it)."""
+        for hook in self.cache.hooks:
+            ask = getattr(hook, "verify_page_size", None)
+            size = ask(self.num_tokens) if ask is not None else 0
+            if size:
+                return size
+        return 0
+
+    def record_mass(self, layer_idx: int, mass: torch.Tensor) -> None:
+        """The attention mass ``[B, Hkv, pages]`` this verify's layer ``layer_idx`` emitted."""
+        for hook in self.cache.hooks:
+            on_mass = getattr(hook, "on_verify_mass", None)
+            if on_mass is not None:
+                on_mass(self.cache, layer_idx, mass)

@@ -107,6 +107,14 @@ class DraftGeometry:
         """``count [B]`` more tokens went into each window."""
         self.ring_ptr = self.ring_ptr + count
 
+    def relayout(self, rows: torch.Tensor, window_start: torch.Tensor) -> None:
+        """``rows`` (``[B]`` bool) now use every static slot and a window of ``window_slots`` holding
+        their tokens from ``window_start [B]`` on (its first ``window_slots`` tokens)."""
+        self.static_count = torch.where(rows, self.static_slots, self.static_count)
+        self.ring_size = torch.where(rows, self.window_slots, self.ring_size)
+        self.ring_ptr = torch.where(rows, self.window_slots, self.ring_ptr)
+        self.static_candidates = torch.where(rows, window_start, self.static_candidates)
+
     def select_rows(self, rows: torch.Tensor) -> None:
         for name in ("static_count", "ring_size", "ring_ptr", "static_candidates"):
             setattr(self, name, getattr(self, name).index_select(0, rows))

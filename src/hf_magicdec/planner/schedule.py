@@ -1,0 +1,110 @@
+"""γ as a function of the context a generation has reached: the schedule of long generations.
+
+A short prompt and thousands of new tokens (reasoning traces, RL rollouts) start where speculation
+does not pay (the KV cache is small, a step is dominated by the weights) and grow into where it
+does. So γ is chosen per step from the live batch, the context and the acceptance observed so
+far; γ = 0 is plain decoding on MagicDec's own cache (a speedup of exactly 1 by definition), and a
+switch between γ = 0 and γ > 0 needs the predicted speedup to clear 1 by :data:`SWITCH_MARGIN`, so
+that the schedule does not flap around break-even. The planner prices a candidate by the same
+schedule integrated over the generation (:func:`scheduled_speedup`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from .hardware import HardwareSpec
+from .modelspec import ModelSpec
+from .roofline import draft_step, target_step, verify_step
+from .selection import choice_seconds, selection_seconds
+from .speculation import omega
+
+__all__ = ["CONTEXT_POINTS", "SWITCH_MARGIN", "StepModel", "best_gamma", "context_points", "scheduled_speedup"]
+
+#: Points of a generation the planner evaluates the schedule at.
+CONTEXT_POINTS = 8
+#: How far above (below) 1 the predicted speedup must be to switch speculation on (off).
+SWITCH_MARGIN = 0.03
+
+
+def context_points(prompt: int, new_tokens: int, points: int = CONTEXT_POINTS) -> list[int]:
+    """Mid-points of ``points`` equal parts of a generation from ``prompt`` to ``prompt + new_tokens``."""
+    if new_tokens <= 1:
+        return [max(prompt, 1)]
+    return [max(1, int(round(prompt + new_tokens * (i + 0.5) / points))) for i in range(points)]
+
+
+def best_gamma(alpha: float, draft_ratio: float, verify_ratio: dict[int, float], allow_off: bool,
+               current: int | None = None) -> tuple[int, float]:
+    """``(γ, predicted speedup)`` maximising Ω(γ, α) / (γ·T_D/T_T + T_V(γ)/T_T) over ``verify_ratio``'s
+    γs; with ``allow_off``, γ = 0 (speedup 1) where that does not clear 1, with hysteresis around
+    ``current`` (None: no hysteresis)."""
+    alpha = min(alpha, 0.999)
+    values = {g: omega(g, alpha) / (g * draft_ratio + verify_ratio[g]) for g in verify_ratio}
+    gamma = max(values, key=values.get)
+    if allow_off:
+        threshold = 1.0 if current is None else (1.0 + SWITCH_MARGIN if current == 0 else 1.0 - SWITCH_MARGIN)
+        if values[gamma] < threshold:
+            return 0, 1.0
+    return gamma, values[gamma]
+
+
+@dataclass(frozen=True)
+class StepModel:
+    """Step-time ratios of one configuration as functions of the live batch and the context.
+
+    Attributes
+    ----------
+    spec, hardware : the target and the device model.
+    drafter : the spec the draft steps run (the target, its quantized twin, or a draft model).
+    budget : draft budget K.
+    view : the draft view (its selection cost, for query-aware views).
+    gammas : the γs considered.
+    """
+
+    spec: ModelSpec
+    hardware: HardwareSpec
+    drafter: ModelSpec
+    budget: int
+    view: Any
+    gammas: tuple[int, ...]
+    _memo: dict = field(default_factory=dict, compare=False, repr=False)
+
+    def ratios(self, batch: int, context: int) -> tuple[float, float, dict[int, float]]:
+        """``(T_T seconds, T_D/T_T, {γ: T_V(γ)/T_T})`` at ``batch`` rows and ``context`` tokens,
+        memoised per batch and 64-token bucket of context (a step's schedule asks every step)."""
+        key = (batch, context // 64)
+        hit = self._memo.get(key)
+        if hit is None:
+            ctx, hw = max(64 * key[1] + 32, 1), self.hardware
+            tt = target_step(self.spec, hw, batch, ctx).seconds
+            held = min(self.budget, ctx)  # a view larger than the context holds the context
+            td = draft_step(self.drafter, hw, batch, ctx, held).seconds
+            td += selection_seconds(self.drafter, hw, batch, ctx, self.budget, self.view)
+            choice = choice_seconds(self.drafter, hw, batch, ctx, self.budget, self.view)  # per verification
+            hit = self._memo[key] = (tt, td / tt, {g: (verify_step(self.spec, hw, batch, ctx, g).seconds + choice) / tt
+                                                  for g in self.gammas})
+        return hit
+
+    def __getstate__(self):  # broadcast to other ranks without the memo
+        return {k: v for k, v in self.__dict__.items() if k != "_memo"}
+
+    def __setstate__(self, state):
+        self.__dict__.update(state, _memo={})
+
+
+def scheduled_speedup(model: StepModel, batch: int, points: list[int], alpha: Callable[[int], float],
+                      allow_off: bool) -> tuple[float, list[int]]:
+    """Predicted speedup of a generation whose steps at the context ``points`` follow the schedule
+    (time-weighted: each point stands for an equal share of the new tokens), and γ at each point.
+    ``alpha(context)``: the acceptance there."""
+    plain = spec_time = 0.0
+    gammas = []
+    for context in points:
+        tt, draft_ratio, verify_ratio = model.ratios(batch, context)
+        gamma, value = best_gamma(alpha(context), draft_ratio, verify_ratio, allow_off)
+        plain += tt
+        spec_time += tt / value
+        gammas.append(gamma)
+    return plain / spec_time, gammas

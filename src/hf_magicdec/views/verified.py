@@ -1,0 +1,188 @@
+"""The verification-guided draft view: the draft's KV chosen by the verification pass's attention
+(in the spirit of Vegas, arXiv 2602.07223, and SparseSpec's PillarAttn, arXiv 2512.01278)::
+
+    [ sinks (sink_tokens) | pages chosen by the verifier (static part) | rolling recent window ]
+
+After every ``every`` verifications, in every layer and per KV head, the pages of ``page_size``
+committed tokens that received the most attention mass from the verify queries (all γ + 1 of them,
+every query head of the KV head, summed over the verifications since the last choice) become the
+static part, beside the first ``sink_tokens`` tokens and the rolling window of the most recent
+ones. The mass comes out of the verify attention itself: the kernels emit it per page
+(``kernels.segment_attention(..., page_size=P)``, Triton and twin), so choosing costs no second
+pass over the full cache, only gathering the chosen pages' K and V into the view.
+
+Before the first choice the static part is SnapKV's (the prompt scored by its last ``window``
+queries, sinks kept). A row whose context still fits the view (static part + window) keeps every
+token and is not re-chosen; once it outgrows it, its view is laid out at full size (the static part
+``static_slots`` tokens, the window ``window_slots``) and chosen from then on. Plain steps (γ = 0, a
+schedule waiting for the context to grow) emit no mass and choose nothing. Lossless as every view:
+the target verifies.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from ..defaults import DEFAULT_PAGE_SIZE, DEFAULT_POOL_KERNEL, DEFAULT_SINK_TOKENS, DEFAULT_WINDOW
+from .base import DraftView, ScoreContext, ViewCache, check_sizes, is_int, require_int
+from .dynamic import select_page_slots
+from .snapkv import snapkv_scores
+
+__all__ = ["Verified", "VerifiedSelection"]
+
+
+@dataclass(frozen=True)
+class Verified(DraftView):
+    """Sinks + the pages the verifier attended to most + a rolling window.
+
+    Re-chooses its static part itself (``reselects``): not with ``refresh_every`` /
+    ``refresh_below``.
+
+    Budget split: ``recent = recent_window`` (default ``draft_budget // 4``), static part
+    ``draft_budget - recent`` (sinks first, then pages), rolling window ``recent``.
+
+    Parameters
+    ----------
+    sink_tokens : int
+        The first tokens of every row that always stay in the view (>= 0).
+    page_size : int
+        Committed tokens per page: the granularity of the choice (a power of two >= 16 is what
+        the Triton kernel emits mass for; other sizes use the PyTorch twin's).
+    recent_window : int or None
+        Size of the rolling window of recent tokens. Default None: ``draft_budget // 4``.
+    every : int
+        Verifications between two choices (their mass is summed).
+    window, pool_kernel : int
+        SnapKV's observation window and pooling, for the static part before the first choice.
+    """
+
+    name = "verified"
+    reselects = True
+
+    sink_tokens: int = DEFAULT_SINK_TOKENS
+    page_size: int = DEFAULT_PAGE_SIZE
+    recent_window: int | None = None
+    every: int = 1
+    window: int = DEFAULT_WINDOW
+    pool_kernel: int = DEFAULT_POOL_KERNEL
+
+    def __post_init__(self) -> None:
+        for name in ("sink_tokens", "page_size", "every", "window", "pool_kernel"):
+            require_int(name, getattr(self, name))
+        if self.sink_tokens < 0:
+            raise ValueError(f"sink_tokens must be >= 0, got sink_tokens={self.sink_tokens}.")
+        for name in ("page_size", "every", "window"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {name}={getattr(self, name)}.")
+        if self.pool_kernel < 1 or self.pool_kernel % 2 == 0:
+            raise ValueError(f"pool_kernel must be a positive odd int, got pool_kernel={self.pool_kernel}.")
+        if self.recent_window is not None and (not is_int(self.recent_window) or self.recent_window < 1):
+            raise ValueError(f"recent_window must be a positive int or None, got recent_window={self.recent_window!r}.")
+
+    def _recent(self, budget: int) -> int:
+        return self.recent_window if self.recent_window is not None else budget // 4
+
+    def check(self, budget: int, gamma: int) -> None:
+        check_sizes(budget, gamma)
+        if budget - self._recent(budget) < self.sink_tokens + self.page_size:
+            raise ValueError(
+                "verified needs room for the sinks and one page: draft_budget - recent window >= sink_tokens + "
+                f"page_size, got draft_budget={budget}, recent window {self._recent(budget)}, "
+                f"sink_tokens={self.sink_tokens}, page_size={self.page_size}."
+            )
+        super().check(budget, gamma)
+
+    def static_slots(self, budget: int, prompt_len: int) -> int:
+        return budget - self._recent(budget)
+
+    def window_slots(self, budget: int, gamma: int, prompt_len: int, max_new_tokens: int) -> int:
+        return self._recent(budget)
+
+    def observation_window(self) -> int:
+        return self.window
+
+    def score(self, ctx: ScoreContext) -> torch.Tensor:
+        """SnapKV's scores of the prompt, with the first ``sink_tokens`` real tokens first."""
+        keys = ctx.keys
+        if ctx.queries is not None:
+            window = min(ctx.queries.shape[2], keys.shape[2])
+            scores = snapkv_scores(ctx.queries[:, :, -window:], keys, ctx.valid, ctx.scaling, self.pool_kernel)
+        else:  # no observation queries (a timing cache): earliest first
+            scores = -torch.arange(keys.shape[2], device=keys.device, dtype=torch.float32).expand(*keys.shape[:3])
+        rank = ctx.valid.long().cumsum(dim=1)  # [B, S]: 1 for a row's first real token
+        sink = ctx.valid & (rank <= self.sink_tokens)
+        return scores.masked_fill(sink[:, None, :], float("inf")).nan_to_num(posinf=1e30)
+
+    def prepare(self, cache: ViewCache, prompt_slots: int) -> "VerifiedSelection":
+        return VerifiedSelection(self, cache.geometry.static_slots, cache.geometry.window_slots)
+
+
+@dataclass
+class VerifiedSelection:
+    """Per-row state of a :class:`Verified` view in one cache: the verify attention's mass per page
+    summed since the last choice, per layer (the cache keeps it aligned with its rows, asks it which
+    page size verify forwards emit mass for, hands it that mass, and calls :meth:`on_commit`).
+
+    Attributes
+    ----------
+    view : the view; static, window : its static part and window, slots.
+    mass : per layer ``[B, Hkv, pages]`` fp32, summed since the last choice.
+    verifications : since the last choice.
+    rounds : choice rounds run (each rewrites the static part of the rows that have outgrown their view).
+    """
+
+    view: Verified
+    static: int
+    window: int
+    mass: dict[int, torch.Tensor] = field(default_factory=dict)
+    verifications: int = 0
+    rounds: int = 0
+
+    def verify_page_size(self, num_tokens: int) -> int:
+        """Pages the verify forward of ``num_tokens`` tokens emits mass for (0: none: plain steps)."""
+        return self.view.page_size if num_tokens > 1 else 0
+
+    def on_verify_mass(self, cache: ViewCache, layer_idx: int, mass: torch.Tensor) -> None:
+        held = self.mass.get(layer_idx)
+        if held is not None and held.shape[-1] < mass.shape[-1]:
+            held = torch.nn.functional.pad(held, (0, mass.shape[-1] - held.shape[-1]))
+        if held is not None and held.shape[-1] > mass.shape[-1]:
+            mass = torch.nn.functional.pad(mass, (0, held.shape[-1] - mass.shape[-1]))
+        self.mass[layer_idx] = mass if held is None else held + mass
+
+    def select_rows(self, rows: torch.Tensor) -> None:
+        self.mass = {i: t.index_select(0, rows.to(t.device)) for i, t in self.mass.items()}
+
+    def on_commit(self, cache: ViewCache) -> None:
+        """Count a verification that emitted mass; every ``every`` of them, choose the static part
+        of every row that has outgrown its view, from the mass summed since the last choice."""
+        if not self.mass:
+            return  # a plain step
+        self.verifications += 1
+        if self.verifications < self.view.every:
+            return
+        # Masked, not branched on: no host read. A row is chosen for once its context outgrows the
+        # view; one whose prompt fitted it gets the full layout first.
+        ready = (cache.lengths - cache.pad) >= self.static + self.window  # [B]
+        cache.full_layout(ready)
+        self._choose(cache, ready)
+        self.rounds += 1
+        self.mass, self.verifications = {}, 0
+
+    def _choose(self, cache: ViewCache, ready: torch.Tensor) -> None:
+        view, geometry = self.view, cache.geometry
+        page, sinks = view.page_size, min(view.sink_tokens, self.static)
+        lo = cache.pad + sinks  # [B] candidates: after the sinks, before the window
+        hi = cache.pad + (cache.lengths - cache.pad) - geometry.window_filled()
+        for layer_idx, mass in self.mass.items():
+            dev = mass.device
+            pages = torch.arange(mass.shape[-1], device=dev)
+            start = torch.maximum(pages[None, :] * page, lo.to(dev)[:, None])  # [B, N]
+            tokens = (torch.minimum((pages[None, :] + 1) * page, hi.to(dev)[:, None]) - start).clamp(min=0)
+            chosen = select_page_slots(mass, start, tokens, self.static - sinks, page)  # [B, Hkv, static - sinks]
+            first = (cache.pad.to(dev)[:, None] + torch.arange(sinks, device=dev)[None, :])[:, None, :]
+            slots = torch.cat([first.expand(-1, mass.shape[1], -1), chosen], dim=-1)
+            slots = slots.clamp(max=cache.layers[layer_idx].keys.shape[2] - 1)
+            cache.replace_static(layer_idx, slots, ready.to(dev)[:, None, None])

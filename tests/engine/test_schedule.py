@@ -1,0 +1,185 @@
+"""γ follows the context within a call (issue 26, item 1): plain decoding on MagicDec's cache while
+speculation would not pay, speculation once the context crosses break-even, off again when the
+acceptance collapses; lossless throughout, and the windows the plain steps leave behind are
+brought up to date exactly."""
+
+from __future__ import annotations
+
+import json
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import make_model, ragged_prompts
+from hf_magicdec import MagicDecConfig, MagicDecWarning
+from hf_magicdec.engine.cache import MagicDecCache
+from hf_magicdec.planner import ModelSpec, get_hardware, search_plan
+from hf_magicdec.planner.gamma import GammaController
+from hf_magicdec.planner.schedule import SWITCH_MARGIN, StepModel, best_gamma
+from hf_magicdec.views import get_view
+
+B, HKV, D = 3, 2, 4
+
+
+def _prefilled(prompt=20, pad=(0, 5, 12), capacity=120):
+    cache = MagicDecCache(2, B, capacity, torch.tensor(pad))
+    cache.begin_prefill(0, prompt)
+    for layer in range(2):
+        k = torch.randn(B, HKV, prompt, D)
+        cache.update(k, k.clone(), layer)
+    cache.end_prefill(prompt)
+    return cache
+
+
+@pytest.mark.parametrize("view,budget", [("streamingllm", 10), ("snapkv", 12)])
+def test_sync_windows_equals_feeding_them_all_along(view, budget):
+    torch.manual_seed(0)
+    fed, lazy = _prefilled(), None
+    lazy = MagicDecCache(2, B, 120, fed.pad.clone())
+    lazy.begin_prefill(0, 20)
+    for i, layer in enumerate(fed.layers):
+        lazy.update(layer.keys[:, :, :20].clone(), layer.values[:, :, :20].clone(), i)
+    lazy.end_prefill(20)
+    options = {"sink_tokens": 3} if view == "streamingllm" else {"window": 4}
+    config = MagicDecConfig.from_any(draft=view, draft_budget=budget, gamma=3, **options)
+    for cache in (fed, lazy):
+        for layer in cache.layers:
+            layer.observe(torch.ones(B, HKV, 4, D), 0.5, window=4)
+        cache.build_draft_views(config.view, config.draft_budget, config.gamma, 20, max_new_tokens=60)
+    for step in range(9):  # ragged commits; the lazy cache feeds only the last two steps
+        keep = torch.tensor([4, 1, 2]) if step % 2 else torch.tensor([2, 3, 1])
+        kv = torch.randn(B, HKV, 4, D)
+        for cache, feed in ((fed, True), (lazy, step >= 7)):
+            cache.begin_verify(4)
+            for i in range(2):
+                cache.update(kv, kv + 1, i)
+            cache.commit(keep, feed_views=feed)
+        if step == 6:
+            lazy.sync_windows()
+    assert torch.equal(fed.geometry.ring_ptr, lazy.geometry.ring_ptr)
+    view_slots = fed.geometry.view_slots
+    for a, b in zip(fed.layers, lazy.layers):
+        valid = fed.draft_valid()[:, None, :, None]
+        assert torch.equal(torch.where(valid, a.draft_keys[:, :, :view_slots], 0),
+                           torch.where(valid, b.draft_keys[:, :, :view_slots], 0))
+        assert torch.equal(torch.where(valid, a.draft_values[:, :, :view_slots], 0),
+                           torch.where(valid, b.draft_values[:, :, :view_slots], 0))
+
+
+def test_best_gamma_switches_with_hysteresis():
+    verify = {1: 1.05, 2: 1.1, 3: 1.15}
+    assert best_gamma(0.9, 0.9, verify, allow_off=True) == (0, 1.0)  # the draft costs a plain step
+    gamma, value = best_gamma(0.9, 0.05, verify, allow_off=True)
+    assert gamma == 3 and value > 1.5
+    # Just above 1: on stays on, off stays off until SWITCH_MARGIN is cleared.
+    g, v = best_gamma(0.5, 0.43, verify, allow_off=False)
+    assert 1 < v < 1 + SWITCH_MARGIN, v
+    assert best_gamma(0.5, 0.43, verify, allow_off=True, current=2)[0] == g
+    assert best_gamma(0.5, 0.43, verify, allow_off=True, current=0) == (0, 1.0)
+
+
+class _BreakEven:
+    """Step-time ratios that make speculation pay from ``at`` tokens of context on (a stand-in for
+    the roofline of a model whose KV grows into dominating its steps)."""
+
+    def __init__(self, at: int, gammas=range(1, 9), draft: float = 0.05):
+        self.at, self.gammas, self.draft = at, tuple(gammas), draft
+
+    def ratios(self, batch, context):
+        cheap = context >= self.at
+        return 1.0, (self.draft if cheap else 0.95), {g: 1.0 + 0.03 * g for g in self.gammas}
+
+
+def _scheduled(monkeypatch, at: int):
+    import hf_magicdec.api as api
+
+    original = api.GammaController
+
+    def controller(gamma, max_gamma, alpha, *args, **kwargs):
+        return original(gamma, max_gamma, 0.9, step_model=_BreakEven(at, range(1, max_gamma + 1)), allow_off=True)
+
+    monkeypatch.setattr(api, "GammaController", controller)
+
+
+def test_schedule_waits_for_break_even_then_speculates_losslessly(monkeypatch):
+    _scheduled(monkeypatch, at=40 + 60)  # prompts of <= 40 tokens: on after about 60 new tokens
+    model = make_model("llama-gqa3")
+    ids, mask = ragged_prompts(3, 40, seed=2)
+    kwargs = dict(input_ids=ids, attention_mask=mask, max_new_tokens=160, do_sample=False, eos_token_id=None)
+    reference = model.generate(**kwargs)
+    out = model.generate(**kwargs, speculative="magicdec", draft="streamingllm", sink_tokens=2, draft_budget=24,
+                         return_dict_in_generate=True)
+    assert torch.equal(out.sequences, reference)
+    runs = out.speculation.schedule()
+    assert runs[0][2] == 0 and runs[0][1] > 20, runs  # plain decoding first
+    assert any(g > 0 for _, _, g in runs[1:]), runs  # then speculation
+    assert 0 < out.speculation.acceptance_rate <= 1 and "gamma by step" in out.speculation.summary()
+
+
+def test_schedule_keeps_the_sampling_distribution(monkeypatch):
+    """Plain steps, then speculation, in one sampled call: the draws match stock sampling."""
+    from scipy import stats
+
+    _scheduled(monkeypatch, at=24 + 3)
+    model = make_model("qwen2-gqa7", seed=5, vocab_size=16)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(0.25)
+    prompt = torch.randint(3, 16, (24,), generator=torch.Generator().manual_seed(1))
+    kwargs = dict(input_ids=prompt.expand(1500, -1).clone(), max_new_tokens=7, do_sample=True, temperature=0.9,
+                  eos_token_id=None)
+    torch.manual_seed(0)
+    stock = model.generate(**kwargs)[:, 24:]
+    torch.manual_seed(1)
+    out = model.generate(**kwargs, speculative="magicdec", draft="streamingllm", sink_tokens=1, draft_budget=8,
+                         return_dict_in_generate=True)
+    assert {g for _, _, g in out.speculation.schedule()} > {0}  # both plain and speculative steps ran
+    spec = out.sequences[:, 24:]
+    for k in (1, 4, 6):
+        a, b = torch.bincount(stock[:, k], minlength=16), torch.bincount(spec[:, k], minlength=16)
+        keep = (a + b) > 0
+        assert stats.chi2_contingency(torch.stack([a[keep], b[keep]]).numpy()).pvalue > 1e-3
+
+
+def test_schedule_turns_speculation_off_when_acceptance_collapses():
+    """Observed acceptance far below the prior pulls α̂ down until plain decoding wins."""
+    # A draft step costs 30 % of a plain one: speculation pays at α = 0.9, not at α = 0.1.
+    controller = GammaController(3, 8, 0.9, step_model=_BreakEven(at=0, draft=0.3), allow_off=True)
+    assert controller.update(0, 0, batch=8, context=100) > 0
+    for _ in range(40):
+        gamma = controller.update(0, 8 * max(controller.gamma, 1), batch=8, context=100)  # nothing accepted
+    assert gamma == 0 and controller.alpha < 0.2
+
+
+def test_planner_prices_the_schedule_over_a_long_generation():
+    """Short prompt, many new tokens: at the mean context a fixed γ does not pay, but the schedule
+    (plain first, speculation once the context has grown) does; its estimate sits between."""
+    llama = json.loads((Path(__file__).parents[1] / "configs" / "llama-3.1-8b.json").read_text())
+    spec, hw = ModelSpec.from_config(llama), get_hardware("h100")
+    views = (get_view("streamingllm"), get_view("snapkv"))
+    workload = dict(batch_size=32, prompt_len=256, new_tokens=8192, hardware=hw, drafts=views)
+    fixed = search_plan(spec, **workload)
+    scheduled = search_plan(spec, **workload, schedule=True)
+    assert scheduled.predicted_speedup >= 1.0 and scheduled.speculate
+    same = [speedup for draft, budget, speedup in ((fixed.draft, fixed.draft_budget, fixed.predicted_speedup),
+                                                  *((e.draft, e.draft_budget, e.speedup) for e in fixed.runner_ups))
+            if (draft, budget) == (scheduled.draft, scheduled.draft_budget)]
+    if same and same[0] > 1.0:  # where a fixed γ already pays, the schedule pays at least as well
+        assert scheduled.predicted_speedup >= same[0] * 0.99
+    model = StepModel(spec, hw, spec, 512, views[0], tuple(range(1, 9)))
+    early, late = model.ratios(32, 300), model.ratios(32, 8000)
+    assert early[1] > late[1]  # the draft's share falls as the context grows
+
+
+def test_a_call_with_the_defaults_does_not_warn_on_plain_steps(monkeypatch):
+    _scheduled(monkeypatch, at=10_000)  # never pays: every step plain, on MagicDec's cache
+    model = make_model("llama-gqa3")
+    ids, mask = ragged_prompts(2, 30, seed=3)
+    kwargs = dict(input_ids=ids, attention_mask=mask, max_new_tokens=20, do_sample=False, eos_token_id=None)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", MagicDecWarning)
+        out = model.generate(**kwargs, speculative="magicdec", draft="streamingllm", sink_tokens=2, draft_budget=16,
+                             draft_weights="full", return_dict_in_generate=True)
+    assert torch.equal(out.sequences, model.generate(**kwargs))
+    assert out.speculation.schedule() == [(1, out.speculation.steps, 0)]
