@@ -143,6 +143,8 @@ def main(argv: list[str] | None = None) -> int:
             continue
         print(f"  MagicDec {s.draft}/{s.draft_budget}, gamma {s.gamma}: acceptance rate {s.acceptance_rate:.3f}, "
               f"tokens per step {s.tokens_per_step:.2f}, accepted drafts per step {s.histogram()}")
+        if s.adaptive_gamma:  # which steps speculated (γ > 0) and which decoded plainly (γ = 0)
+            print("  gamma schedule (first step, last step, gamma): " + ", ".join(map(str, s.schedule())))
         if args.check:
             same = torch.equal(row["stock"], row["out"].sequences)
             if args.greedy:
