@@ -202,6 +202,9 @@ def test_unknown_runtime_keyword_refused():
         def before_attention(self, *args):
             pass
 
+        def mass_page_size(self, layer_idx):  # no verification-guided view: no attention mass
+            return 0
+
     class Cache:
         options = CacheOptions(position_limit=100)
         forward = Forward()

@@ -152,6 +152,20 @@ def test_schedule_turns_speculation_off_when_acceptance_collapses():
     assert gamma == 0 and controller.alpha < 0.2
 
 
+def test_schedule_follows_the_live_batch_as_rows_finish():
+    """Rollouts: rows finishing at EOS shrink the live batch; below where speculation pays (weights
+    dominate a step again) γ goes to 0, and back up only when the batch would pay again."""
+    llama = json.loads((Path(__file__).parents[1] / "configs" / "llama-3.1-8b.json").read_text())
+    spec = ModelSpec.from_config(llama)
+    model = StepModel(spec, get_hardware("h100"), spec, 512, get_view("snapkv"), tuple(range(1, 9)))
+    controller = GammaController(3, 8, 0.8, step_model=model, allow_off=True)
+    live = [64, 32, 16, 8, 4, 2, 1]
+    gammas = [controller.update(24, 30, batch=b, context=4096) for b in live]  # 80 % accepted each step
+    assert gammas[0] > 0 and gammas[-1] == 0
+    assert gammas == sorted(gammas, reverse=True)  # fewer rows, no more drafting
+    assert controller.update(24, 30, batch=64, context=4096) > 0  # a full batch pays again
+
+
 def test_planner_prices_the_schedule_over_a_long_generation():
     """Short prompt, many new tokens: at the mean context a fixed γ does not pay, but the schedule
     (plain first, speculation once the context has grown) does; its estimate sits between."""

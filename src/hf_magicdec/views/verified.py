@@ -145,6 +145,13 @@ class VerifiedSelection:
         return self.view.page_size if num_tokens > 1 else 0
 
     def on_verify_mass(self, cache: ViewCache, layer_idx: int, mass: torch.Tensor) -> None:
+        heads = cache.layers[layer_idx].keys.shape[1]
+        if mass.shape[1] != heads:
+            # The attention saw more key heads than the cache stores (keys shared by several heads
+            # after the cache, e.g. MLA and JetMoE layers): a stored head's mass is its heads' sum.
+            if mass.shape[1] % heads:
+                return  # no mapping onto the stored heads: keep the view as it is (still lossless)
+            mass = mass.reshape(mass.shape[0], heads, -1, mass.shape[-1]).sum(2)
         held = self.mass.get(layer_idx)
         if held is not None and held.shape[-1] < mass.shape[-1]:
             held = torch.nn.functional.pad(held, (0, mass.shape[-1] - held.shape[-1]))
