@@ -11,7 +11,7 @@ from hf_magicdec.engine.refresh import Refresher, recent_attention_mass
 from hf_magicdec.views import get_view
 from hf_magicdec.views.dynamic import page_scores, page_summaries
 
-from conftest import ARCHS, make_model, ragged_prompts
+from conftest import ARCHS, assert_view_samples_like_stock, ragged_prompts
 
 HKV, GROUP, D = 2, 3, 8
 
@@ -178,23 +178,8 @@ def test_dynamic_config_validation():
 
 def test_dynamic_sampling_is_lossless():
     """Sampling through the dynamic view reproduces stock sampling's distribution (two-sample chi-square)."""
-    from scipy import stats
-
-    model = make_model("qwen2-gqa7", seed=5, vocab_size=16)
-    with torch.no_grad():
-        model.lm_head.weight.mul_(0.25)
-    prompt = torch.randint(3, 16, (24,), generator=torch.Generator().manual_seed(1))
-    kwargs = dict(input_ids=prompt.expand(2000, -1).clone(), max_new_tokens=3, do_sample=True, temperature=0.9,
-                  top_k=10, eos_token_id=None)
-    torch.manual_seed(0)
-    stock = model.generate(**kwargs)[:, 24:]
-    torch.manual_seed(1)
-    spec = model.generate(**kwargs, speculative="magicdec", draft="dynamic", draft_budget=10, sink_tokens=1,
-                          page_size=2, recent_window=3, gamma=2)[:, 24:]
-    for k in (1, 2):
-        a, b = torch.bincount(stock[:, k], minlength=16), torch.bincount(spec[:, k], minlength=16)
-        keep = (a + b) > 0
-        assert stats.chi2_contingency(torch.stack([a[keep], b[keep]]).numpy()).pvalue > 1e-3
+    assert_view_samples_like_stock(3, draft="dynamic", draft_budget=10, sink_tokens=1, page_size=2,
+                                   recent_window=3, gamma=2)
 
 
 # ---------------------------------------------------------------------------------- refresh

@@ -294,12 +294,17 @@ def position_plot(rows: list[Result], path: Path, title: str) -> bool:
     ax.set_xlabel("new tokens generated (row 0)")
     ax.set_ylabel(f"speedup vs {'static cache' if ref.method == 'stock-static' else 'stock'} "
                   f"(windows of {rows[0].new_tokens // POSITION_WINDOWS} tokens)")
-    ax.set_title(title, fontsize=8)
+    _finish(plt, fig, ax, path, title, 8)
+    return True
+
+
+def _finish(plt, fig, ax, path: Path, title: str, title_size: int) -> None:
+    """Title, legend, layout; write ``path`` and close the figure."""
+    ax.set_title(title, fontsize=title_size)
     ax.legend(fontsize=6)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
-    return True
 
 
 def acceptance_plot(series: dict, path: Path, title: str) -> bool:
@@ -318,9 +323,5 @@ def acceptance_plot(series: dict, path: Path, title: str) -> bool:
     ax.set_xticks(budgets, [str(b) for b in budgets])
     ax.set_xlabel("draft budget (tokens per layer, row and KV head)")
     ax.set_ylabel("acceptance rate α")
-    ax.set_title(title, fontsize=7)
-    ax.legend(fontsize=6)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    _finish(plt, fig, ax, path, title, 7)
     return True
