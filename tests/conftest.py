@@ -154,3 +154,23 @@ def assert_view_samples_like_stock(new_tokens: int, **magicdec) -> None:
         a, b = torch.bincount(stock[:, k], minlength=16), torch.bincount(spec[:, k], minlength=16)
         keep = (a + b) > 0
         assert stats.chi2_contingency(torch.stack([a[keep], b[keep]]).numpy()).pvalue > 1e-3, k
+
+
+def slot_encoded_cache(keys: torch.Tensor, pad: list[int], capacity: int):
+    """A one-layer MagicDecCache prefilled with ``keys [B, Hkv, P, D]`` whose values encode the slot
+    (``value[..., 0] = slot``), so a draft view's contents can be read back as slots."""
+    from hf_magicdec.engine.cache import MagicDecCache
+
+    batch, _, prompt, _ = keys.shape
+    cache = MagicDecCache(1, batch, capacity, torch.tensor(pad))
+    cache.begin_prefill(0, prompt)
+    values = torch.zeros_like(keys)
+    values[..., 0] = torch.arange(prompt, dtype=keys.dtype)
+    cache.update(keys, values, 0)
+    cache.end_prefill(prompt)
+    return cache
+
+
+def static_slots(cache) -> torch.Tensor:
+    """Full-cache slots held by layer 0's static part: ``[B, Hkv, Ks]`` (a :func:`slot_encoded_cache`)."""
+    return cache.layers[0].draft_values[:, :, : cache.static_slots, 0].round().long()

@@ -11,26 +11,13 @@ from hf_magicdec.engine.refresh import Refresher, recent_attention_mass
 from hf_magicdec.views import get_view
 from hf_magicdec.views.dynamic import page_scores, page_summaries
 
-from conftest import ARCHS, assert_view_samples_like_stock, ragged_prompts
+from conftest import ARCHS, assert_view_samples_like_stock, ragged_prompts, slot_encoded_cache, static_slots
 
 HKV, GROUP, D = 2, 3, 8
 
 
 def _cache(keys: torch.Tensor, pad: list[int], capacity: int = 96) -> MagicDecCache:
-    """A prefilled one-layer cache whose values encode the slot (value[..., 0] = slot)."""
-    batch, _, prompt, _ = keys.shape
-    cache = MagicDecCache(1, batch, capacity, torch.tensor(pad))
-    cache.begin_prefill(0, prompt)
-    values = torch.zeros_like(keys)
-    values[..., 0] = torch.arange(prompt, dtype=keys.dtype)
-    cache.update(keys, values, 0)
-    cache.end_prefill(prompt)
-    return cache
-
-
-def _static_slots(cache: MagicDecCache) -> torch.Tensor:
-    """Slots held by the static part: ``[B, Hkv, Ks]``."""
-    return cache.layers[0].draft_values[:, :, : cache.static_slots, 0].round().long()
+    return slot_encoded_cache(keys, pad, capacity)
 
 
 def _true_top_page_slots(query, keys, first, span, page_size, slots):
@@ -89,10 +76,10 @@ def test_selected_pages_are_the_true_top_pages_and_never_padding_or_window():
     cache.build_draft_views(config.view, config.draft_budget, config.gamma, prompt, max_new_tokens=8)
     ks, w = cache.static_slots, cache.window_slots
     assert (ks, w) == (3 + 3 * 5, 12)  # 3 sinks + 3 pages; the window takes the rest of the budget
-    before = _static_slots(cache).clone()
+    before = static_slots(cache).clone()
     cache.begin_draft(0)
     cache.forward.before_attention(0, query, D**-0.5)
-    static = _static_slots(cache)
+    static = static_slots(cache)
     for b, p in enumerate(pad):
         n = prompt - p
         if n <= ks + w:  # fits: the whole prompt stays, nothing is re-selected
@@ -122,7 +109,7 @@ def test_refill_follows_the_query_from_step_to_step():
         query[..., axis] = 1.0
         cache.begin_draft(0)
         cache.forward.before_attention(0, query, 1.0)
-        assert _static_slots(cache)[0].tolist() == [list(needle)] * HKV
+        assert static_slots(cache)[0].tolist() == [list(needle)] * HKV
 
 
 def test_dynamic_view_retrieves_what_attention_needs():
@@ -219,7 +206,7 @@ def test_refresh_reselects_what_recent_queries_attend_to():
     refresher = Refresher.create(config.view, config, cache)
     cache.attach(refresher)  # what the self-drafter does
     assert refresher is not None and cache.static_slots == 8
-    assert _static_slots(cache).sort(-1).values.tolist() == [[list(range(10, 18))] * HKV] * batch
+    assert static_slots(cache).sort(-1).values.tolist() == [[list(range(10, 18))] * HKV] * batch
     for step in range(2):
         cache.begin_verify(3)
         k = torch.randn(batch, HKV, 3, D) * 0.1
@@ -233,7 +220,7 @@ def test_refresh_reselects_what_recent_queries_attend_to():
         cache.commit(keep)
         fired = refresher.after_commit(cache, keep, keep - 1, 2)
         assert fired == (1 if step == 1 else 0)  # row 0 reaches 3 committed tokens at step 2
-    static = _static_slots(cache)
+    static = static_slots(cache)
     assert set(range(30, 34)) <= set(static[0, 0].tolist()) and set(range(30, 34)) <= set(static[0, 1].tolist())
     assert not set(range(30, 34)) & set(static[1, 0].tolist())  # row 1 (2 tokens so far) is not due yet
     for b, pad in enumerate([0, 6]):

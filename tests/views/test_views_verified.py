@@ -15,26 +15,13 @@ from hf_magicdec.planner.selection import choice_seconds
 from hf_magicdec.views import get_view
 from hf_magicdec.views.verified import VerifiedSelection
 
-from conftest import assert_view_samples_like_stock, ragged_prompts
+from conftest import assert_view_samples_like_stock, ragged_prompts, slot_encoded_cache, static_slots
 
 HKV, D = 2, 8
 
 
 def _cache(batch: int, prompt: int, pad: list[int], capacity: int = 128) -> MagicDecCache:
-    """A prefilled one-layer cache whose values encode the slot (value[..., 0] = slot)."""
-    keys = torch.randn(batch, HKV, prompt, D)
-    cache = MagicDecCache(1, batch, capacity, torch.tensor(pad))
-    cache.begin_prefill(0, prompt)
-    values = torch.zeros_like(keys)
-    values[..., 0] = torch.arange(prompt, dtype=keys.dtype)
-    cache.update(keys, values, 0)
-    cache.end_prefill(prompt)
-    return cache
-
-
-def _static(cache: MagicDecCache) -> torch.Tensor:
-    """Full-cache slots held by the static part: ``[B, Hkv, Ks]``."""
-    return cache.layers[0].draft_values[:, :, : cache.static_slots, 0].round().long()
+    return slot_encoded_cache(torch.randn(batch, HKV, prompt, D), pad, capacity)
 
 
 def _state(cache: MagicDecCache) -> VerifiedSelection:
@@ -61,7 +48,7 @@ def test_choice_is_the_pages_with_most_verify_mass_never_sinks_padding_or_window
     cache.build_draft_views(config.view, config.draft_budget, config.gamma, prompt, max_new_tokens=8)
     ks, w = cache.static_slots, cache.window_slots
     assert (ks, w) == (24, 8)
-    before = _static(cache).clone()
+    before = static_slots(cache).clone()
     state = _state(cache)
     assert state.verify_page_size(3) == 4 and state.verify_page_size(1) == 0  # plain steps emit no mass
 
@@ -72,7 +59,7 @@ def test_choice_is_the_pages_with_most_verify_mass_never_sinks_padding_or_window
     state.on_verify_mass(cache, 0, mass - torch.nn.functional.pad(mass[..., :10], (0, mass.shape[-1] - 10)))
     state.on_commit(cache)
     assert state.rounds == 1 and state.mass == {}
-    static = _static(cache)
+    static = static_slots(cache)
     for b, p in enumerate(pad):
         n = prompt - p
         if n < ks + w:  # fits: every token stays, nothing is chosen
@@ -103,7 +90,7 @@ def test_choice_waits_for_every_and_plain_steps_choose_nothing():
     state.on_verify_mass(cache, 0, needle)
     state.on_commit(cache)
     assert state.rounds == 1
-    assert all(s in _static(cache)[0, h].tolist() for h in range(HKV) for s in range(20, 24))
+    assert all(s in static_slots(cache)[0, h].tolist() for h in range(HKV) for s in range(20, 24))
 
 
 def _count_choices(monkeypatch) -> list[int]:
