@@ -18,7 +18,7 @@ import torch
 from transformers.generation.stopping_criteria import StopStringCriteria, StoppingCriteriaList
 
 from . import kernels
-from .compat import cache_kwarg_to_past_key_values
+from .compat import cache_kwarg_to_past_key_values, generate_cache_name, past_key_values_to_cache_kwarg
 from .config import MagicDecConfig, carried_options
 from .engine import attention
 from .engine.continuation import Continuation, check_cache, hand_back, outlives_call
@@ -193,7 +193,8 @@ def _stock(call: _Call, resolution: Resolution):
         streamer.put(input_ids.cpu())
     out = type(model)._sample(model, input_ids, logits_processor=call.logits_processor,
                               stopping_criteria=call.stopping_criteria, generation_config=gen,
-                              synced_gpus=call.synced, streamer=streamer, **call.model_kwargs)
+                              synced_gpus=call.synced, streamer=streamer,
+                              **past_key_values_to_cache_kwarg(call.model_kwargs))
     if not gen.return_dict_in_generate:
         return out
     stats = SpeculationStats(accepted_lengths=[[] for _ in range(input_ids.shape[0])],
@@ -281,8 +282,8 @@ def _outputs(call: _Call, engine: Engine, sequences, stats: SpeculationStats, sc
         sequences=sequences,
         scores=ScoresRecorder.assemble(scores.scores, steps) if gen.output_scores else None,
         logits=ScoresRecorder.assemble(scores.logits, steps) if gen.output_logits else None,
-        past_key_values=returned,
         speculation=stats,
+        **{generate_cache_name(): returned},  # `cache` from transformers 5.24
     )
 
 

@@ -35,6 +35,7 @@ import torch.library
 import transformers
 
 __all__ = ["SUPPORTED_TRANSFORMERS", "REQUIRED", "bridge_triton_interpreter", "cache_kwarg_to_past_key_values",
+           "past_key_values_to_cache_kwarg", "generate_cache_name",
            "check_transformers", "missing_internals"]
 
 #: The transformers versions this release supports (keep equal to ``pyproject.toml``).
@@ -122,6 +123,27 @@ def cache_kwarg_to_past_key_values(model_kwargs: dict) -> dict:
         if model_kwargs.get("past_key_values") is None:
             model_kwargs["past_key_values"] = cache
     return model_kwargs
+
+
+def generate_cache_name() -> str:
+    """The name under which the installed transformers' ``generate`` passes and returns the cache:
+    ``"cache"`` from 5.24 (``past_key_values`` is its deprecated alias until 6.0), else
+    ``"past_key_values"``."""
+    from transformers.generation import utils as generation_utils
+
+    return getattr(generation_utils, "ALL_CACHE_NAMES", ["past_key_values"])[0]
+
+
+def past_key_values_to_cache_kwarg(model_kwargs: dict) -> dict:
+    """The inverse, for handing model kwargs back to stock decoding methods (``_sample``): on
+    transformers >= 5.24 they read the cache from ``cache`` only (chunked prefill refuses to run
+    without it; without chunking a fresh cache would be built and the prompt cache ignored).
+    Returns a new dict; the installed release's own cache name is looked up, not its version."""
+    name = generate_cache_name()
+    out = dict(model_kwargs)
+    if name != "past_key_values" and "past_key_values" in out:
+        out[name] = out.pop("past_key_values")
+    return out
 
 
 # --- torch >= 2.11 and Triton >= 3.6 under Triton's interpreter ------------------------------------

@@ -33,7 +33,7 @@ from transformers.cache_utils import (Cache, DynamicCache, DynamicLayer, Dynamic
 
 from ..parallel.lockstep import tp_size
 from .cache import MagicDecCache
-from .steps import num_layers
+from .steps import forward_cache_kwarg, num_layers
 
 __all__ = ["Continuation", "check_cache", "committed_kv", "fill_tails", "hand_back", "outlives_call"]
 
@@ -232,8 +232,9 @@ def _tail_forward(model, kv: LayerKV, filled, sequences, pad, need, total: int) 
     mask = (slot[None, :] >= row_pad[:, None]).long()  # [k, S]: the row's tokens (left padding masked)
     positions = (slot[None, start:] - row_pad[:, None]).clamp(min=0)
     extra = {"logits_to_keep": 1} if model._supports_logits_to_keep() else {}
-    model(input_ids=sequences[need, start:total], attention_mask=mask, position_ids=positions, past_key_values=sub,
-          use_cache=True, return_dict=True, **extra)
+    extra[forward_cache_kwarg(model)] = sub
+    model(input_ids=sequences[need, start:total], attention_mask=mask, position_ids=positions, use_cache=True,
+          return_dict=True, **extra)
     # Slots a row committed itself keep the verified KV; only the missing ones are taken.
     write = slot[None, :] >= filled.to(device)[need][:, None]  # [k, S]
     for i, (k, v) in enumerate(kv):

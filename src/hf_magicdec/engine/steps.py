@@ -10,6 +10,7 @@ compiled as it is. The token choice that follows (processors, sampling, acceptan
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -42,6 +43,17 @@ def compile_config_for(setting: Any, generation_config, device: torch.device) ->
     return getattr(generation_config, "compile_config", None) or CompileConfig()
 
 
+def forward_cache_kwarg(model) -> str:
+    """The keyword ``model.forward`` takes its cache under: ``"cache"`` where its signature names it
+    (transformers >= 5.24 models, where ``past_key_values`` is a deprecated alias that warns), else
+    ``"past_key_values"`` (5.23, and remote-code models written for it)."""
+    try:
+        params = inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        return "past_key_values"
+    return "cache" if "cache" in params and "past_key_values" not in params else "past_key_values"
+
+
 @dataclass(frozen=True)
 class ModelCall:
     """How the engine calls one model on a :class:`MagicDecCache` (fixed per model and generation).
@@ -53,18 +65,21 @@ class ModelCall:
     mask_per_layer_type : hybrid models (sliding + full layers) index their mask by layer type.
     compiled : the model's ``torch.compile``'d call (``model.get_compiled_call``, cached on the
         model by transformers) for draft and verify forwards, or None (eager).
+    cache_kwarg : the keyword its forward takes the cache under (``cache`` from transformers 5.24).
     """
 
     model: Any
     keep_logits: bool
     mask_per_layer_type: bool
     compiled: Callable | None = None
+    cache_kwarg: str = "past_key_values"
 
     @classmethod
     def of(cls, model, compile_config: CompileConfig | None = None) -> "ModelCall":
         layer_types = getattr(model.config.get_text_config(decoder=True), "layer_types", None) or []
         compiled = model.get_compiled_call(compile_config) if compile_config is not None else None
-        return cls(model, bool(model._supports_logits_to_keep()), "sliding_attention" in layer_types, compiled)
+        return cls(model, bool(model._supports_logits_to_keep()), "sliding_attention" in layer_types, compiled,
+                   forward_cache_kwarg(model))
 
     def __call__(self, cache: MagicDecCache, ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor,
                  logits_to_keep: int | None, eager: bool = False) -> torch.Tensor:
@@ -75,7 +90,7 @@ class ModelCall:
         that does not use them. ``eager``: never the compiled call (prefill, whose shapes change
         with every chunk).
         """
-        kwargs: dict[str, Any] = {"magicdec_cache": cache}
+        kwargs: dict[str, Any] = {"magicdec_cache": cache, self.cache_kwarg: cache}
         if self.keep_logits and logits_to_keep is not None:
             kwargs["logits_to_keep"] = logits_to_keep
         if self.mask_per_layer_type:
@@ -83,8 +98,8 @@ class ModelCall:
         forward = self.model if eager or self.compiled is None else self.compiled
         # The context variable is set outside the compiled region (dynamo does not trace it).
         with attention.engine_forward(cache):
-            out = forward(input_ids=ids, position_ids=positions, attention_mask=mask, past_key_values=cache,
-                          use_cache=True, return_dict=True, **kwargs)
+            out = forward(input_ids=ids, position_ids=positions, attention_mask=mask, use_cache=True,
+                          return_dict=True, **kwargs)
         logits = out.logits
         return logits[:, -1:] if logits_to_keep == 1 and logits.shape[1] != 1 else logits
 
