@@ -251,3 +251,30 @@ def test_long_generation_rows_carry_a_position_trace_and_plot(tmp_path, tiny_ben
     assert (out / "speedup_vs_position.png").stat().st_size > 0
     magic = [r for r in rows if r["method"] == "magicdec"]
     assert all(r["gamma_schedule"] == [[1, r["breakdown"]["steps"], 2]] for r in magic)
+
+
+def test_sampled_rounds_time_every_method_without_comparing_tokens(tmp_path, tiny_bench, capsys):
+    """--temperature: every method samples (each round from one seed); rows are marked sampled, not
+    identical or different, the MagicDec row still reports its acceptance."""
+    code, rows, _ = _bench(tmp_path, "--rounds", "2", "--temperature", "1.0", "--draft", "snapkv")
+    assert code == 0
+    assert [r["label"] for r in rows] == ["stock generate", "stock generate, static cache", "own AR (gamma=0)",
+                                          "magicdec snapkv/48 γ=2"]
+    assert all(r["identical_to_generate"] is None and r["sampled"] is True for r in rows)
+    assert 0 <= rows[-1]["acceptance_rate"] <= 1 and rows[-1]["rounds"] == 2
+    out = capsys.readouterr().out
+    assert "sampled at T=1" in out and "NOT IDENTICAL" not in out
+
+
+def test_default_plan_alone_and_sampling_needs_rounds(tmp_path, tiny_bench, capsys):
+    """--draft none --default-plan runs the default plan without an explicit view; sampling is timed
+    with the rounds protocol only and is refused before loading anything otherwise."""
+    code, rows, _ = _bench(tmp_path, "--rounds", "1", "--draft", "none", "--default-plan", "--no-own-ar")
+    assert code == 0
+    assert [r["label"] for r in rows] == ["stock generate", "stock generate, static cache", "magicdec default plan"]
+    for bad in (["--temperature", "0.7"], ["--rounds", "1", "--temperature", "-1"], ["--rounds", "1", "--draft", "none"]):
+        with pytest.raises(SystemExit) as exc:
+            _bench(tmp_path, *bad)
+        assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "temperature" in err and "default_plan" in err

@@ -54,7 +54,8 @@ def build_parser(prog: str = "hf-magicdec bench") -> argparse.ArgumentParser:
     ap.add_argument("--batch", type=int, nargs="+", default=[8], help="batch size(s)")
     ap.add_argument("--context", type=int, nargs="+", default=[2048], help="prompt length(s) in tokens")
     ap.add_argument("--new-tokens", type=int, default=64)
-    ap.add_argument("--draft", nargs="+", default=["streamingllm", "snapkv"], help="draft view(s)")
+    ap.add_argument("--draft", nargs="+", default=["streamingllm", "snapkv"],
+                    help="draft view(s); 'none' with --default-plan: the default plan alone")
     ap.add_argument("--budget", type=_int_or_auto, nargs="+", default=[256], help="draft budget(s), or auto")
     ap.add_argument("--gamma", type=_int_or_auto, nargs="+", default=[3],
                     help="draft tokens per step, or auto (planner's choice, adapted per step)")
@@ -72,6 +73,9 @@ def build_parser(prog: str = "hf-magicdec bench") -> argparse.ArgumentParser:
     ap.add_argument("--default-plan", action="store_true",
                     help='also run speculative="magicdec" with nothing else set (the planner chooses view, '
                          "budget, gamma and draft weights, or plain decoding); the table shows what it chose")
+    ap.add_argument("--temperature", type=float, default=0.0, metavar="T",
+                    help="sample at temperature T (> 0; with --rounds; the model's other sampling defaults kept): "
+                         "each round's calls from one seed, tokens not compared; 0 (default): greedy")
     ap.add_argument("--no-warmup", action="store_true", help="skip the short discarded warm-up run per method")
     ap.add_argument("--no-own-ar", action="store_true", help="skip our own autoregressive path (gamma=0)")
     ap.add_argument("--static-baseline", action="store_true",
@@ -120,7 +124,7 @@ def main(argv: list[str] | None = None, prog: str = "hf-magicdec bench") -> int:
             stop_at_eos=args.stop_at_eos,
             assistant=args.assistant, prefill_chunk=args.prefill_chunk, draft_model=args.draft_model,
             draft_model_views=tuple(args.draft_model_view), share_prefill=args.share_prefill,
-            default_plan=args.default_plan, rounds=args.rounds,
+            default_plan=args.default_plan, rounds=args.rounds, temperature=args.temperature,
         )
     except ValueError as exc:
         ap.error(str(exc))
@@ -174,7 +178,8 @@ def run_and_report(spec, out: Path, progress: bool = True, title_prefix: str = "
         write_jsonl(jsonl, [{**meta, **r.to_dict(), "env": env}])
 
     results, env, _ = run(spec, progress=progress, on_result=on_result, env=env)
-    title = (f"{title_prefix}{spec.model} {spec.dtype} on {env['device']}, {spec.new_tokens} new tokens, greedy"
+    decoding = f"sampled at T={spec.temperature:g}" if spec.sampled else "greedy"
+    title = (f"{title_prefix}{spec.model} {spec.dtype} on {env['device']}, {spec.new_tokens} new tokens, {decoding}"
              f"{'' if spec.stop_at_eos else ', EOS ignored'}"
              f"{f', {spec.rounds} rounds' if spec.rounds is not None else ''}")
     print()

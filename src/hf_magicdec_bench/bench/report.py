@@ -42,7 +42,8 @@ def table(results: list[Result]) -> str:
     lines = [head, "-" * len(head)]
     for r, plan in zip(results, plans):
         d = r.to_dict()
-        ident = "(baseline)" if r.identical is None else ("yes" if r.identical else "NO")
+        ident = ("sampled" if r.extra.get("sampled") else "(baseline)") if r.identical is None else (
+            "yes" if r.identical else "NO")
         spread = f"{_fmt(100 * r.extra['decode_spread'] if 'decode_spread' in r.extra else None, '.0f', '%'):>8}"
         lines.append(
             f"{r.batch:>3} {r.context:>6}  {r.label:<{w}}{plan:<{pw}}{r.m.prefill_s:>10.2f}{r.m.decode_s:>10.2f}"
@@ -180,7 +181,7 @@ def plots(results: list[Result], out: Path, title: str) -> list[Path]:
             if "decode_spread" in r.extra and len(r.m.decode_all) > 1:
                 note += f"  (spread {100 * r.extra['decode_spread']:.0f}%)"
             if r.method != "stock" and r.speedup_vs_stock is not None:
-                note += f"  {r.speedup_vs_stock:.2f}x" + ("" if r.identical else "  NOT IDENTICAL")
+                note += f"  {r.speedup_vs_stock:.2f}x" + ("  NOT IDENTICAL" if r.identical is False else "")
             right = max([bar.get_width(), *(r.decode_tokens / d for d in r.m.decode_all if d > 0)])
             ax.text(right, bar.get_y() + bar.get_height() / 2, note, va="center", fontsize=7)
         ax.invert_yaxis()

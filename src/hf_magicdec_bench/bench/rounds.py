@@ -28,6 +28,11 @@ as stock ``generate`` does, which cannot use the shared MagicDec prefill: after 
 declined, the next one is handed a copy of stock's cache instead (as the stock row is), so a
 declined plan costs one prefill, not one per round. Which plan each round ran is recorded.
 
+With ``temperature > 0`` every call samples; each round's calls start from one seed
+(:data:`SAMPLING_SEED` + round), so a round compares methods on equal terms, and no tokens are
+compared (the suite's chi-square tests hold the distribution); with EOS ignored every method
+still writes the same number of tokens.
+
 Uses the library's public API only (``generate``, ``hf_magicdec.shared_prefill``, ``MagicDecConfig``).
 """
 
@@ -75,6 +80,9 @@ log = logging.getLogger("hf_magicdec")
 #: A method whose decode time varied across rounds by more than this fraction of its median
 #: makes the report warn that the machine was probably busy.
 BUSY_SPREAD = 0.15
+
+#: Seed of round 0's sampled calls (round r: + r).
+SAMPLING_SEED = 1234
 
 
 def rotation(n_methods: int, round_index: int) -> list[int]:
@@ -193,7 +201,7 @@ def run_rounds(spec: BenchSpec, progress: bool = True, on_result: Callable[[Resu
 
     def generate(ids, new_tokens, clock=None, **kwargs):
         return model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
-                              min_new_tokens=None, do_sample=False, streamer=clock, pad_token_id=pad_id,
+                              min_new_tokens=None, streamer=clock, pad_token_id=pad_id, **spec.decoding(),
                               **extra, **kwargs)
 
     points = [(b, c) for c in spec.contexts for b in spec.batches]
@@ -305,11 +313,12 @@ def _run_point(spec, model, small, info, generate, ids, outer, token_bar, device
                 m = methods[i]
                 outer.set_postfix_str(f"B={batch} S={context} round {r + 1}/{spec.rounds} {m.label}")
                 state["passed"] = False
+                torch.manual_seed(SAMPLING_SEED + r)  # sampled: every method of a round from one seed
                 meas = measure(lambda clock, m=m: m.run(clock, ids, n), 1, device, token_bar(m.label, n))
                 m.rounds.append((r, position, meas, {"cache_passed": state["passed"]}))
                 outer.update(1)
 
-    rows = [_aggregate(m, batch, context, n, base) for m in methods]
+    rows = [_aggregate(m, batch, context, n, None if spec.sampled else base) for m in methods]
     stock = rows[0]
     stock.extra.update(reference_prefill_s=ref.prefill_s, reference_decode_s=ref.decode_s)
     static = next((r for r in rows if r.method == "stock-static"), None)
@@ -354,8 +363,9 @@ def sample_trace(trace: list[tuple[int, float]], new_tokens: int, points: int = 
     return out
 
 
-def _aggregate(m: Method, batch: int, context: int, new_tokens: int, base: torch.Tensor) -> Result:
-    """One :class:`Result` from a method's rounds: medians, spread, the median round's statistics."""
+def _aggregate(m: Method, batch: int, context: int, new_tokens: int, base: torch.Tensor | None) -> Result:
+    """One :class:`Result` from a method's rounds: medians, spread, the median round's statistics.
+    ``base``: the reference tokens every round must equal (None: sampled, nothing to compare)."""
     m.rounds.sort(key=lambda t: t[0])
     runs = [meas for _, _, meas, _ in m.rounds]
     decode = [x.decode_s for x in runs]
@@ -367,13 +377,19 @@ def _aggregate(m: Method, batch: int, context: int, new_tokens: int, base: torch
                        speculation=runs[mid].speculation, peak_bytes=max(peaks, default=None),
                        extra=runs[mid].extra)
     res = Result(m.method, m.label, batch, context, new_tokens, meas, m.config)
-    same = all(torch.equal(x.sequences, base) for x in runs)
-    if m.method == "stock":  # the baseline: continuing from its cache must give the reference's tokens
+    if base is None:  # sampled: same distribution is the suite's business (chi-square tests)
+        res.extra["sampled"] = True
+        same = None
+    else:
+        same = all(torch.equal(x.sequences, base) for x in runs)
+    if same is None:
+        res.identical = None
+    elif m.method == "stock":  # the baseline: continuing from its cache must give the reference's tokens
         res.identical = None if same else False
         res.extra["identical_to_reference"] = same
     else:
         res.identical = same
-    if not same:
+    if same is False:
         log.error("%s output differs from stock generate at B=%d S=%d", m.label, batch, context)
     res.extra.update(
         position_trace=sample_trace(runs[mid].extra.get("trace", []), new_tokens),

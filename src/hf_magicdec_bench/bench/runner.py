@@ -69,6 +69,9 @@ class BenchSpec:
     # The rounds protocol (:mod:`.rounds`): every method decodes once per round on the same
     # prompts, the order rotated each round, from one prefill per point; None: the sequential one.
     rounds: int | None = None
+    # > 0: every method samples at this temperature (the model's other sampling defaults kept),
+    # each round's calls from one seed (rounds protocol only); tokens are then not compared.
+    temperature: float = 0.0
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -92,6 +95,16 @@ class BenchSpec:
                                  f"(got {self.rounds=} and {self.repeats=})")
             if self.assistant:
                 raise ValueError("rounds does not run HF assisted generation (assistant): drop one of them")
+        if not self.temperature >= 0:
+            raise ValueError(f"temperature must be >= 0 (0: greedy), got {self.temperature=}")
+        if self.temperature > 0 and self.rounds is None:
+            raise ValueError("sampling (temperature > 0) is timed with the rounds protocol: add rounds "
+                             f"(--rounds N), got {self.temperature=} and {self.rounds=}")
+        if self.drafts == ("none",):  # no explicit view: only the default plan or a draft model
+            if not (self.default_plan or self.draft_model):
+                raise ValueError("drafts=('none',) runs no MagicDec configuration: add default_plan "
+                                 "(--default-plan) or a draft model")
+            object.__setattr__(self, "drafts", ())
         for draft in (*self.drafts, *(self.draft_model_views if self.draft_model else ())):
             for budget in self.budgets:
                 for gamma in self.gammas:
@@ -109,14 +122,23 @@ class BenchSpec:
                        for k in budgets for g in self.gammas)
         return out
 
+    @property
+    def sampled(self) -> bool:
+        return self.temperature > 0
+
+    def decoding(self) -> dict:
+        """``generate``'s decoding arguments: greedy, or sampling at ``temperature``."""
+        return {"do_sample": True, "temperature": self.temperature} if self.sampled else {"do_sample": False}
+
     def configs(self, context: int) -> list[MagicDecConfig]:
-        """MagicDec configurations worth running at ``context`` (a budget >= context compresses nothing)."""
+        """MagicDec configurations worth running at ``context`` (a budget that holds the prompt and
+        every new token compresses nothing; one that holds only the prompt does once it grows)."""
         out = []
         for draft in self.drafts:
             for budget in self.budgets:
-                if draft != "full" and budget != AUTO and budget >= context:
-                    log.warning("skipping %s budget %d at context %d: the view would hold the whole prompt",
-                                draft, budget, context)
+                if draft != "full" and budget != AUTO and budget >= context + self.new_tokens:
+                    log.warning("skipping %s budget %d at context %d + %d new tokens: the view would hold "
+                                "everything", draft, budget, context, self.new_tokens)
                     continue
                 out.extend(MagicDecConfig.from_any(draft=draft, draft_budget=budget, gamma=g, draft_weights=w)
                            for w in self.draft_weights for g in self.gammas)
