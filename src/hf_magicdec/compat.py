@@ -33,6 +33,7 @@ import sys
 import torch
 import torch.library
 import transformers
+from transformers.generation import utils as generation_utils
 
 __all__ = ["SUPPORTED_TRANSFORMERS", "REQUIRED", "bridge_triton_interpreter", "cache_kwarg_to_past_key_values",
            "past_key_values_to_cache_kwarg", "generate_cache_name",
@@ -129,8 +130,6 @@ def generate_cache_name() -> str:
     """The name under which the installed transformers' ``generate`` passes and returns the cache:
     ``"cache"`` from 5.24 (``past_key_values`` is its deprecated alias until 6.0), else
     ``"past_key_values"``."""
-    from transformers.generation import utils as generation_utils
-
     return getattr(generation_utils, "ALL_CACHE_NAMES", ["past_key_values"])[0]
 
 
