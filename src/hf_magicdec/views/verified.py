@@ -116,7 +116,11 @@ class Verified(DraftView):
         return scores.masked_fill(sink[:, None, :], float("inf")).nan_to_num(posinf=1e30)
 
     def prepare(self, cache: ViewCache, prompt_slots: int) -> "VerifiedSelection":
-        return VerifiedSelection(self, cache.geometry.static_slots, cache.geometry.window_slots)
+        geometry = cache.geometry
+        # One host read per generation: whether some row's prompt fitted the view (it will need
+        # the full layout once it outgrows it); long prompts never do, and skip that work.
+        short = bool((geometry.static_count < geometry.static_slots).any())
+        return VerifiedSelection(self, geometry.static_slots, geometry.window_slots, needs_layout=short)
 
 
 @dataclass
@@ -131,6 +135,8 @@ class VerifiedSelection:
     mass : per layer ``[B, Hkv, pages]`` fp32, summed since the last choice.
     verifications : since the last choice.
     rounds : choice rounds run (each rewrites the static part of the rows that have outgrown their view).
+    needs_layout : whether some row may still need the full layout (its prompt fitted the view).
+    commits : steps committed since the view was built (each adds a token to every live row).
     """
 
     view: Verified
@@ -139,6 +145,8 @@ class VerifiedSelection:
     mass: dict[int, torch.Tensor] = field(default_factory=dict)
     verifications: int = 0
     rounds: int = 0
+    needs_layout: bool = True
+    commits: int = 0
 
     def verify_page_size(self, num_tokens: int) -> int:
         """Pages the verify forward of ``num_tokens`` tokens emits mass for (0: none: plain steps)."""
@@ -165,6 +173,7 @@ class VerifiedSelection:
     def on_commit(self, cache: ViewCache) -> None:
         """Count a verification that emitted mass; every ``every`` of them, choose the static part
         of every row that has outgrown its view, from the mass summed since the last choice."""
+        self.commits += 1
         if not self.mass:
             return  # a plain step
         self.verifications += 1
@@ -173,23 +182,36 @@ class VerifiedSelection:
         # Masked, not branched on: no host read. A row is chosen for once its context outgrows the
         # view; one whose prompt fitted it gets the full layout first.
         ready = (cache.lengths - cache.pad) >= self.static + self.window  # [B]
-        cache.full_layout(ready)
+        if self.needs_layout:
+            cache.full_layout(ready)
+            # Every commit adds at least one token to every live row: after this many, every row
+            # is ready, so this call laid out the last of them (known on the host, no read).
+            self.needs_layout = self.commits < self.static + self.window
         self._choose(cache, ready)
         self.rounds += 1
         self.mass, self.verifications = {}, 0
 
     def _choose(self, cache: ViewCache, ready: torch.Tensor) -> None:
+        """Every layer's static part from its mass: the layers whose masses have the same shape on
+        the same device are chosen together (one top-k over all their heads, not one per layer:
+        on a CPU the choice is dominated by per-operation cost)."""
         view, geometry = self.view, cache.geometry
         page, sinks = view.page_size, min(view.sink_tokens, self.static)
         lo = cache.pad + sinks  # [B] candidates: after the sinks, before the window
         hi = cache.pad + (cache.lengths - cache.pad) - geometry.window_filled()
+        groups: dict[tuple, list[int]] = {}
         for layer_idx, mass in self.mass.items():
-            dev = mass.device
-            pages = torch.arange(mass.shape[-1], device=dev)
+            groups.setdefault((mass.device, tuple(mass.shape)), []).append(layer_idx)
+        for (dev, (_, heads, n_pages)), layers in groups.items():
+            pages = torch.arange(n_pages, device=dev)
             start = torch.maximum(pages[None, :] * page, lo.to(dev)[:, None])  # [B, N]
             tokens = (torch.minimum((pages[None, :] + 1) * page, hi.to(dev)[:, None]) - start).clamp(min=0)
-            chosen = select_page_slots(mass, start, tokens, self.static - sinks, page)  # [B, Hkv, static - sinks]
+            mass = torch.cat([self.mass[i] for i in layers], dim=1)  # [B, layers * Hkv, N]
+            chosen = select_page_slots(mass, start, tokens, self.static - sinks, page)
             first = (cache.pad.to(dev)[:, None] + torch.arange(sinks, device=dev)[None, :])[:, None, :]
-            slots = torch.cat([first.expand(-1, mass.shape[1], -1), chosen], dim=-1)
-            slots = slots.clamp(max=cache.layers[layer_idx].keys.shape[2] - 1)
-            cache.replace_static(layer_idx, slots, ready.to(dev)[:, None, None])
+            slots = torch.cat([first.expand(-1, chosen.shape[1], -1), chosen], dim=-1)
+            where = ready.to(dev)[:, None, None]
+            for i, layer_idx in enumerate(layers):
+                layer_slots = slots[:, i * heads:(i + 1) * heads]
+                layer_slots = layer_slots.clamp(max=cache.layers[layer_idx].keys.shape[2] - 1)
+                cache.replace_static(layer_idx, layer_slots, where)

@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from .buffers import copy_slots, widened
+from .buffers import copy_slots, flat_slots, gather_slots, scatter_slots, widened
 
 __all__ = ["DraftKV", "MagicDecLayer"]
 
@@ -46,8 +46,8 @@ class DraftKV:
         values = full_values.new_zeros((batch, heads, total, full_values.shape[-1]))
         if source is not None:
             n = source.shape[-1]
-            keys[:, :, :n] = torch.gather(full_keys, 2, source[..., None].expand(-1, -1, -1, keys.shape[-1]))
-            values[:, :, :n] = torch.gather(full_values, 2, source[..., None].expand(-1, -1, -1, values.shape[-1]))
+            keys[:, :, :n] = gather_slots(full_keys, source)
+            values[:, :, :n] = gather_slots(full_values, source)
         return cls(keys, values)
 
     def write_range(self, start: int, key_states: torch.Tensor, value_states: torch.Tensor):
@@ -74,12 +74,17 @@ class DraftKV:
     def replace_static(self, full_keys: torch.Tensor, full_values: torch.Tensor, slots: torch.Tensor,
                        start: int, where: torch.Tensor) -> None:
         """View slots ``[start, start + n)`` take the full KV at ``slots [B, Hkv, n]`` where ``where``
-        (bool, broadcastable to ``[B, Hkv, n]``) holds; elsewhere they keep what they hold."""
-        end = start + slots.shape[-1]
-        mask = where[..., None]
+        (bool, broadcastable to ``[B, Hkv, n]``) holds; elsewhere they keep what they hold (those
+        copies go to the trash slot, the buffer's last: masked, not branched on, no host read)."""
+        n = slots.shape[-1]
+        target = torch.arange(start, start + n, device=slots.device).expand_as(slots)
+        target = torch.where(where.to(slots.device), target, self.keys.shape[2] - 1)
+        both = full_keys.is_contiguous() and full_values.is_contiguous() and self.keys.is_contiguous() \
+            and self.values.is_contiguous()  # then the keys' flat indices serve the values too
+        src = flat_slots(full_keys, slots) if both else None
+        dst = flat_slots(self.keys, target) if both else None
         for source, dest in ((full_keys, self.keys), (full_values, self.values)):
-            fresh = torch.gather(source, 2, slots[..., None].expand(-1, -1, -1, source.shape[-1]))
-            dest[:, :, start:end] = torch.where(mask, fresh, dest[:, :, start:end])
+            scatter_slots(dest, target, gather_slots(source, slots, src), dst)
 
     def select_rows(self, rows: torch.Tensor) -> None:
         self.keys, self.values = self.keys.index_select(0, rows), self.values.index_select(0, rows)
