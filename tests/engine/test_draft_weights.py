@@ -233,7 +233,7 @@ def test_calibration_fits_the_quantized_kernels_rate():
     from hf_magicdec.planner.calibrate import Calibration, Measurement, fit_quantized
 
     spec = ModelSpec.from_config(LLAMA_8B)
-    hw = get_hardware("cpu").replace(peak_flops={"float32": 100e9, "int8": 3e11})
+    hw = get_hardware("cpu").replace(peak_flops={"float32": 100e9}, format_flops={"int8": 3e11})
     rows = [Measurement("draft", b, 1, k + 1, 1, 0.0, "int8") for b in (1, 8, 32) for k in (128, 512)]
     rows = [Measurement(**{**m.__dict__, "seconds": m.predict(spec, hw)}) for m in rows]
     rate = fit_quantized(spec, rows, get_hardware("cpu"))["int8"]
@@ -241,7 +241,32 @@ def test_calibration_fits_the_quantized_kernels_rate():
     cal = Calibration(model="m", spec=spec, device="cpu", dtype="float32", bandwidth=20e9, flops=100e9,
                       overhead=1e-3, overlap=False, measurements=tuple(rows), rel_rms_error=0.0,
                       quantized_flops={"int8": rate})
-    assert Calibration.from_dict(cal.to_dict()).hardware().peak_flops["int8"] == pytest.approx(rate)
+    assert Calibration.from_dict(cal.to_dict()).hardware().format_flops["int8"] == pytest.approx(rate)
+
+
+def test_the_fp16_weight_rate_is_fitted_and_read_apart_from_the_float16_dtype():
+    """fp16 *weights* (fbgemm's fp16-weight linear, fp32 math) have their own rate: the fit moves
+    it (it once wrote the rate into the float16 dtype's peak, which the planner never reads for fp16
+    weights, so every rate fitted equally and the float16 dtype got a nonsense peak)."""
+    from hf_magicdec.planner.calibrate import Calibration, Measurement, fit_quantized
+    from hf_magicdec.planner.roofline import draft_step
+
+    spec = ModelSpec.from_config(LLAMA_8B)
+    hw = get_hardware("cpu").replace(format_flops={"fp16": 4e10})
+    rows = [Measurement("draft", b, 1, k + 1, 1, 0.0, "fp16") for b in (1, 8, 32) for k in (128, 512)]
+    rows = [Measurement(**{**m.__dict__, "seconds": m.predict(spec, hw)}) for m in rows]
+    rate = fit_quantized(spec, rows, get_hardware("cpu"))["fp16"]
+    assert rate == pytest.approx(4e10, rel=0.05)
+    cal = Calibration(model="m", spec=spec, device="cpu", dtype="float32", bandwidth=20e9, flops=100e9,
+                      overhead=1e-3, overlap=False, measurements=tuple(rows), rel_rms_error=0.0,
+                      quantized_flops={"fp16": rate})
+    calibrated = Calibration.from_dict(cal.to_dict()).hardware()
+    assert calibrated.peak("float16") == get_hardware("cpu").peak("float16")  # the dtype is untouched
+    slow = calibrated.replace(format_flops={"fp16": rate / 10})
+    fp16 = spec.with_weights("fp16")
+    assert draft_step(fp16, slow, 8, 4096, 256).seconds > 2 * draft_step(fp16, calibrated, 8, 4096, 256).seconds
+    with pytest.raises(ValueError, match="weight formats"):
+        calibrated.replace(format_flops={"float16": 1e9})
 
 
 def test_measure_steps_times_the_quantized_draft():

@@ -197,3 +197,23 @@ def test_a_call_with_the_defaults_does_not_warn_on_plain_steps(monkeypatch):
                              draft_weights="full", return_dict_in_generate=True)
     assert torch.equal(out.sequences, model.generate(**kwargs))
     assert out.speculation.schedule() == [(1, out.speculation.steps, 0)]
+
+
+def test_a_schedule_measures_the_acceptance_a_low_prior_would_not_try():
+    """A prior that keeps speculation off (α = 0.3 here) does not decide alone: the schedule
+    probes, the observed acceptance (0.95) takes over, and speculation stays on; a probe that
+    accepts nothing turns it off again at once and it stays off."""
+    model = _BreakEven(at=0, draft=0.5)  # pays at α = 0.95 (about 1.4x at γ = 3), not at α = 0.3
+    assert best_gamma(0.3, 0.5, model.ratios(8, 100)[2], allow_off=True, current=3)[0] == 0
+    good = GammaController(3, 8, 0.3, step_model=model, allow_off=True)
+    gammas = [good.update(0, 0, batch=8, context=100)]
+    for _ in range(20):
+        drafted = 8 * gammas[-1]
+        gammas.append(good.update(round(0.95 * drafted), drafted, batch=8, context=100))
+    assert gammas[0] > 0 and all(g > 0 for g in gammas), gammas
+    assert good.drafted > 4 * 32 and good.alpha > 0.85  # the evidence outweighs the prior
+    bad = GammaController(3, 8, 0.3, step_model=model, allow_off=True)
+    gammas = [bad.update(0, 0, batch=8, context=100)]
+    for _ in range(20):
+        gammas.append(bad.update(0, 8 * gammas[-1], batch=8, context=100))
+    assert gammas[0] > 0 and gammas[1:] == [0] * 20, gammas  # one probing step, then plain decoding

@@ -57,6 +57,10 @@ CASES = {
     "adaptive γ, EOS": dict(gamma="auto", adaptive_gamma=True),  # the accepted count rides in the step's read
     "adaptive γ, no EOS": dict(gamma="auto", adaptive_gamma=True, eos_token_id=None),
     "sampling": dict(gamma=3, do_sample=True, temperature=0.8, top_k=20, top_p=0.9),  # row-local warpers
+    "int8 draft weights": dict(gamma=3, draft_weights="int8"),
+    # The verification-guided view re-chooses its static part after every verification, masked.
+    "verified, adaptive γ": dict(draft="verified", draft_budget=24, page_size=4, recent_window=6,
+                                 gamma="auto", adaptive_gamma=True),
 }
 
 
@@ -65,10 +69,12 @@ def test_one_host_read_per_step(monkeypatch, case):
     import hf_magicdec.api
 
     model = make_model("llama-gqa3")
-    options = dict(draft="streamingllm", draft_budget=12, sink_tokens=2, **CASES[case])
+    options = {"draft": "streamingllm", "draft_budget": 12, "sink_tokens": 2, "draft_weights": "full", **CASES[case]}
     # Without the cache hand-back (once per generation, counted below), so that the difference
-    # between a short and a long run is the per-step reads alone.
+    # between a short and a long run is the per-step reads alone; a first call builds what later
+    # calls reuse (a quantized draft twin), once per model.
     monkeypatch.setattr(hf_magicdec.api, "outlives_call", lambda cache, gen: False)
+    _reads_and_steps(model, 4, **options)
     short_reads, short_steps, _ = _reads_and_steps(model, 20, **options)
     long_reads, long_steps, out = _reads_and_steps(model, 60, **options)
     assert long_steps > short_steps + 5

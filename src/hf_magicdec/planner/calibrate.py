@@ -266,7 +266,7 @@ def fit_quantized(model: ModelSpec, measurements: Sequence[Measurement], hardwar
         timed = [m for m in measurements if m.weights == fmt]
 
         def error(rate: float) -> float:
-            hw = hardware.replace(peak_flops={**hardware.peak_flops, fmt: rate})
+            hw = hardware.replace(format_flops={**hardware.format_flops, fmt: rate})
             return _rms((m.predict(model, hw) - m.seconds) / m.seconds for m in timed)
 
         grid = [10 ** (8 + i / 8) for i in range(57)]  # 1e8 … 1e15

@@ -41,7 +41,9 @@ __all__ = [
     "load_calibration",
 ]
 
-_FORMAT = 1
+# 2: quantized_flops["fp16"] is the fp16-weight linear rate (format 1 fitted it into the float16
+# dtype peak, where the planner never read it for fp16 weights: those files hold no fitted rate).
+_FORMAT = 2
 
 
 # ---------------------------------------------------------------------------------------- data
@@ -196,7 +198,7 @@ class Calibration:
         hardware = fitted.hardware(base, self.dtype, name=f"{self.device} (calibrated)")
         if not self.quantized_flops:
             return hardware
-        return hardware.replace(peak_flops={**hardware.peak_flops, **self.quantized_flops})
+        return hardware.replace(format_flops={**hardware.format_flops, **self.quantized_flops})
 
     def predictions(self) -> list[tuple[Measurement, float]]:
         """``(measurement, predicted seconds)`` for every measured forward."""

@@ -9,6 +9,13 @@ __all__ = ["GammaController"]
 
 #: Drafted tokens' worth of confidence in the prior when blending it with what was observed.
 PRIOR_WEIGHT = 32
+#: A schedule measures the acceptance rather than assume it: until PROBE_TOKENS tokens were drafted,
+#: where the blended α keeps speculation off, γ is chosen from the acceptance observed so far alone
+#: (PROBE_ALPHA before anything was drafted), so that a prior that is too low cannot keep
+#: speculation off all call long without ever seeing evidence against itself. A probe that does
+#: not pay costs a step or two: the observed α then says off too.
+PROBE_ALPHA = 0.95
+PROBE_TOKENS = 4 * PRIOR_WEIGHT
 
 
 class GammaController:
@@ -33,7 +40,8 @@ class GammaController:
         follows the context (:mod:`.schedule`).
     allow_off : bool
         γ may be 0 (plain decoding on MagicDec's cache) where speculation does not pay, switching
-        with hysteresis (:data:`.schedule.SWITCH_MARGIN`).
+        with hysteresis (:data:`.schedule.SWITCH_MARGIN`). Until the observed acceptance outweighs
+        the prior, a schedule probes (:data:`PROBE_TOKENS`).
     """
 
     def __init__(self, gamma: int, max_gamma: int, alpha: float, draft_ratio: float | None = None,
@@ -69,5 +77,9 @@ class GammaController:
         else:
             draft_ratio, verify_ratio = self.draft_ratio, self.verify_ratio
         verify_ratio = {g: v for g, v in verify_ratio.items() if g <= self.max_gamma}
-        self.gamma, _ = best_gamma(self.alpha, draft_ratio, verify_ratio, self.allow_off, self.gamma)
+        gamma, _ = best_gamma(self.alpha, draft_ratio, verify_ratio, self.allow_off, self.gamma)
+        if gamma == 0 and self.allow_off and self.drafted < PROBE_TOKENS:  # probe: 0 where that does not pay
+            observed = self.accepted / self.drafted if self.drafted else PROBE_ALPHA
+            gamma, _ = best_gamma(observed, draft_ratio, verify_ratio, True)
+        self.gamma = gamma
         return self.gamma

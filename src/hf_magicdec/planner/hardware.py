@@ -14,6 +14,7 @@ import types
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
+from ..defaults import QUANTIZED_FORMATS
 from ._checks import check_int, check_number
 from .dtypes import canonical_dtype
 
@@ -53,6 +54,13 @@ class HardwareSpec:
         Whether the steps run captured (``compile=``: CUDA graphs), which removes the per-layer
         host time. True by default (``compile="auto"`` captures on CUDA); the per-call planner sets
         it from the call's ``compile`` setting. Calibrated CPUs fit their host time into ``overhead``.
+    format_flops : Mapping[str, float]
+        Effective FLOP/s of linear layers stored in a compressed weight format (keys ``"int8"``,
+        ``"fp16"``, ``"int4"``: a quantized self-draft's ``draft_weights``), fitted by calibration;
+        a format without an entry runs at ``peak_flops``' rate for its name if listed (CPU int8
+        GEMMs), else at the model's dtype (weight-only formats dequantize and compute in it). Kept
+        apart from ``peak_flops`` because ``"fp16"`` weights are not the float16 dtype: fbgemm's
+        fp16-weight linear layers compute in fp32.
     overlap : bool
         True (roofline): an op group costs ``max(compute, memory)``, the two overlap perfectly,
         as on GPUs. False: ``compute + memory``, which describes small CPU matmuls better (see
@@ -81,12 +89,14 @@ class HardwareSpec:
     overlap: bool = True
     layer_overhead: float = 0.0
     captured: bool = True
+    format_flops: Mapping[str, float] = field(default_factory=dict, hash=False)
 
     def __reduce__(self):
         """Picklable (a plan's step model is broadcast to the other ranks): the read-only mapping
         travels as a dict and is made read-only again on the other side."""
         fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         fields["peak_flops"] = dict(self.peak_flops)
+        fields["format_flops"] = dict(self.format_flops)
         return (_rebuild, (type(self), fields))
 
     def __post_init__(self) -> None:
@@ -98,8 +108,16 @@ class HardwareSpec:
         for key, value in self.peak_flops.items():
             check_number(f"peak_flops[{key!r}]", value)
             flops[canonical_dtype(key)] = float(value)
-        # Read-only copy: the dataclass is frozen, its mapping should be too.
+        # Read-only copies: the dataclass is frozen, its mappings should be too.
         object.__setattr__(self, "peak_flops", types.MappingProxyType(flops))
+        if not isinstance(self.format_flops, Mapping):
+            raise ValueError(f"format_flops must be a mapping weight format -> FLOP/s, got {self.format_flops!r}.")
+        for key, value in self.format_flops.items():
+            if key not in QUANTIZED_FORMATS:
+                raise ValueError(f"format_flops keys are weight formats {QUANTIZED_FORMATS}, got {key!r}.")
+            check_number(f"format_flops[{key!r}]", value)
+        object.__setattr__(self, "format_flops",
+                           types.MappingProxyType({k: float(v) for k, v in self.format_flops.items()}))
         check_number("bandwidth", self.bandwidth)
         if self.memory_bytes != float("inf"):  # inf = capacity unknown / not checked
             check_number("memory_bytes", self.memory_bytes)
@@ -132,10 +150,20 @@ class HardwareSpec:
                 return self.peak_flops[key]
         raise ValueError(f"{self.name!r} lists no peak FLOP/s for {dtype=!r} (has {sorted(self.peak_flops)}).")
 
+    def linear_peak(self, weight_format: str | None, dtype: Any) -> float:
+        """FLOP/s of linear layers stored as ``weight_format`` (None: in ``dtype``), see
+        ``format_flops``."""
+        if weight_format is None:
+            return self.peak(dtype)
+        if weight_format in self.format_flops:
+            return self.format_flops[weight_format]
+        return self.peak_flops.get(weight_format, self.peak(dtype))
+
     def replace(self, **changes: Any) -> "HardwareSpec":
         """Copy with ``changes`` applied (validated again)."""
-        if "peak_flops" not in changes:
-            changes["peak_flops"] = dict(self.peak_flops)
+        for name in ("peak_flops", "format_flops"):
+            if name not in changes:
+                changes[name] = dict(getattr(self, name))
         return dataclasses.replace(self, **changes)
 
     def with_tp(self, tp: int) -> "HardwareSpec":
@@ -146,6 +174,7 @@ class HardwareSpec:
         """JSON-serialisable form."""
         out = dataclasses.asdict(self)
         out["peak_flops"] = dict(self.peak_flops)
+        out["format_flops"] = dict(self.format_flops)
         return out
 
 
@@ -183,11 +212,18 @@ HARDWARE_PRESETS: dict[str, HardwareSpec] = {
         layer_overhead=_EAGER_LAYER_OVERHEAD,
     ),
     "cpu": HardwareSpec(
-        # Placeholder for a few AVX2/AVX-512 cores and dual-channel DRAM; calibrate to replace it.
+        # Effective rates, not datasheet peaks: what `hf-magicdec plan --calibrate` fitted on a
+        # 2-core x86 VM (Xeon, AVX2, torch 2.13, 2026-12) for SmolLM2-135M in fp32, rounded. The
+        # ratio of FLOP/s to bytes/s is what decides how much more a verification of γ + 1 tokens
+        # costs than one decode step (1.1x at γ = 1 and 1.4x at γ = 4 there, at 8 rows); a machine
+        # with more cores has more of both: calibrate to replace them.
         name="cpu (uncalibrated)",
-        # int8: dynamically quantized linear layers (VNNI / AVX-512 int8 dot products).
-        peak_flops={"float32": 100e9, "bfloat16": 50e9, "float16": 25e9, "int8": 200e9},
-        bandwidth=20 * _GB, link_bandwidth=10 * _GB, allreduce_latency=20e-6, overhead=2e-3, overlap=False,
+        peak_flops={"float32": 180e9, "bfloat16": 50e9, "float16": 25e9},
+        # Linear layers of a compressed self-draft: dynamically quantized int8 (activations
+        # quantized per call) and fbgemm's fp16 weights (fp32 math), both slower per FLOP than
+        # fp32 GEMMs there; they win by reading fewer bytes.
+        format_flops={"int8": 85e9, "fp16": 95e9},
+        bandwidth=12 * _GB, link_bandwidth=10 * _GB, allreduce_latency=20e-6, overhead=0.0, overlap=False,
     ),
 }
 

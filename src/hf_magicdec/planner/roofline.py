@@ -159,7 +159,7 @@ def forward_cost(model: ModelSpec, hardware: HardwareSpec, *, batch: int, query_
                       logit_tokens=logit_tokens)
     # Quantized linear layers run at the device's rate for their format where it lists one (CPU
     # int8 GEMMs); weight-only formats (GPU) compute in the model's dtype.
-    linear_peak = hardware.peak_flops.get(model.weight_format, peak) if model.weight_format else peak
+    linear_peak = hardware.linear_peak(model.weight_format, model.dtype)
     groups = {name: _group(f, b, peak if name == "attention" else linear_peak, bw, n, hardware.overlap)
               for name, (f, b, n) in work.items()}
     comm = 0.0
