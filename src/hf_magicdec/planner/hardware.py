@@ -212,11 +212,13 @@ HARDWARE_PRESETS: dict[str, HardwareSpec] = {
         layer_overhead=_EAGER_LAYER_OVERHEAD,
     ),
     "cpu": HardwareSpec(
-        # Effective rates, not datasheet peaks: what `hf-magicdec plan --calibrate` fitted on a
-        # 2-core x86 VM (Xeon, AVX2, torch 2.13, 2026-12) for SmolLM2-135M in fp32, rounded. The
-        # ratio of FLOP/s to bytes/s is what decides how much more a verification of γ + 1 tokens
-        # costs than one decode step (1.1x at γ = 1 and 1.4x at γ = 4 there, at 8 rows); a machine
-        # with more cores has more of both: calibrate to replace them.
+        # Effective rates, not datasheet peaks: what `hf-magicdec plan --calibrate` fitted on the
+        # 2-core x86 VM the benchmarks of docs/benchmarks.md ran on (Xeon, AVX2, torch 2.13, 2026-12;
+        # SmolLM2-135M in fp32: 11.5 GB/s, 181 GFLOP/s, additive, no fixed overhead; another such VM
+        # fitted 15.7 GB/s and 116 GFLOP/s). The ratio of FLOP/s to bytes/s decides how much more a
+        # verification of γ + 1 tokens costs than one decode step: measured 1.1x at γ = 1 and 1.4x at
+        # γ = 4 at 8 rows, predicted 1.2x and 1.8x (the former preset, 100 GFLOP/s and 20 GB/s: 1.5x
+        # and 2.7x). A machine with more cores has more of both: calibrate to replace them.
         name="cpu (uncalibrated)",
         peak_flops={"float32": 180e9, "bfloat16": 50e9, "float16": 25e9},
         # Linear layers of a compressed self-draft: dynamically quantized int8 (activations

@@ -38,6 +38,14 @@ DEFAULT_DRAFT_MODEL_DRAFTS = ("full", "streamingllm", "snapkv")
 DEFAULT_BUDGETS = (128, 256, 512, 1024, 2048)
 DEFAULT_GAMMAS = tuple(range(1, 9))
 _RUNNER_UPS = 5
+#: Scheduled candidates whose predicted speedups are within this fraction of the best are a tie
+#: (the cost model is not that precise: calibration fits leave ~10 % errors) ...
+NEAR_TIE = 0.02
+#: ... broken by the speedup each would reach at this much more acceptance than its prior: a
+#: schedule measures α within the call (it probes; :mod:`.gamma`), so where the prior predicts
+#: about the same for every candidate, the one with the most to gain from a better α is the better
+#: bet (a verification-guided view over a prompt-time selection, compressed over full draft weights).
+UPSIDE = 0.10
 
 
 class DraftLike(Protocol):
@@ -302,46 +310,60 @@ def search_plan(
     candidates = [(estimate(spec, hw, draft=d, budget=k, gamma=g, draft_weights=w, **price), d)
                   for d in drafts if self_speculation and d.name != "full" for k in budgets if k < limit
                   for g in gammas if d.fits(k, g) for w in weight_formats]
+    upside: dict[tuple, float] = {}
     if schedule:
-        candidates = _scheduled(candidates, spec, hw, batch_size, prompt_len, new_tokens, acceptance)
+        candidates, upside = _scheduled(candidates, spec, hw, batch_size, prompt_len, new_tokens, acceptance)
     if draft_model is not None:
-        dspec = _model_spec(draft_model, dtype)
-        for d in draft_model_drafts:
-            # The full view holds the whole context: its "budget" is the context.
-            view_budgets = (s,) if d.name == "full" else tuple(k for k in budgets if k < prompt_len)
-            candidates += [(estimate(spec, hw, draft=d, budget=k, gamma=g, draft_model=dspec, **price), d)
-                           for k in view_budgets for g in gammas if d.name == "full" or d.fits(k, g)]
+        candidates += _draft_model_candidates(spec, hw, _model_spec(draft_model, dtype), draft_model_drafts, budgets,
+                                              gammas, prompt_len, price)
     if not candidates:
         return Plan(False, None, None, None, 1.0, None, None, tt, None, None, (),
                     reason=f"no candidate: every budget in {budgets} is >= "
                            f"{'prompt + new tokens' if schedule else 'prompt_len'}={limit} "
                            "(nothing to compress) or invalid for the given gammas",
                     **common)
-    return _best(candidates, tt, min_speedup, common)
+    return _best(candidates, tt, min_speedup, common, upside)
+
+
+def _draft_model_candidates(spec: ModelSpec, hw: HardwareSpec, dspec: ModelSpec, views, budgets, gammas,
+                            prompt_len: int, price: dict) -> list:
+    """``(estimate, view)`` of every draft-model candidate: each view compressing the draft model's
+    cache at every budget below the prompt (``full`` keeps all of it: its "budget" is the context)."""
+    out = []
+    for d in views:
+        view_budgets = (price["context"],) if d.name == "full" else tuple(k for k in budgets if k < prompt_len)
+        out += [(estimate(spec, hw, draft=d, budget=k, gamma=g, draft_model=dspec, **price), d)
+                for k in view_budgets for g in gammas if d.name == "full" or d.fits(k, g)]
+    return out
 
 
 def _scheduled(candidates: list, spec: ModelSpec, hw: HardwareSpec, batch: int, prompt_len: int, new_tokens: int,
-               acceptance: AcceptanceLike) -> list:
+               acceptance: AcceptanceLike) -> tuple[list, dict[tuple, float]]:
     """Per (view, budget, weights), the best γ's estimate at the mean context, its speedup replaced
-    by the schedule's over the whole generation (:func:`.schedule.scheduled_speedup`)."""
+    by the schedule's over the whole generation (:func:`.schedule.scheduled_speedup`); and per
+    (view, budget, weights) the schedule's speedup at :data:`UPSIDE` more acceptance (the tie-break)."""
     best: dict[tuple, tuple] = {}
     for est, view in candidates:
         key = (est.draft, est.draft_budget, est.draft_weights)
         best.setdefault(key, []).append((est, view))
     points = context_points(prompt_len, new_tokens)
-    out = []
+    out, upside = [], {}
     for (name, budget, weights), group in best.items():
         est, view = max(group, key=lambda c: c[0].speedup)
         drafter = spec if weights == "full" else spec.with_weights(weights)
         model = StepModel(spec, hw, drafter, budget, view, tuple(e.gamma for e, _ in group))
         alpha_name = name if weights == "full" else f"{name}{WEIGHTS_SEPARATOR}{weights}"
-        speedup, gammas = scheduled_speedup(model, batch, points,
-                                            lambda c: resolve_acceptance(acceptance, alpha_name, budget, c), True)
+
+        def alpha(context, more=0.0):
+            return min(resolve_acceptance(acceptance, alpha_name, budget, context) + more, 0.99)
+
+        speedup, gammas = scheduled_speedup(model, batch, points, alpha, True)
+        upside[(name, budget, weights)] = scheduled_speedup(model, batch, points, lambda c: alpha(c, UPSIDE), True)[0]
         # Never on: plain decoding on MagicDec's cache, not worth a speculative call (the estimate,
         # below where the schedule would switch on).
         out.append((dataclasses.replace(est, speedup=speedup) if any(gammas)
                     else dataclasses.replace(est, speedup=min(est.speedup, 1.0 - SWITCH_MARGIN)), view))
-    return out
+    return out, upside
 
 
 def _search_space(drafts, draft_model_drafts, budgets, gammas, draft_weights, self_speculation, draft_model):
@@ -365,10 +387,20 @@ def _search_space(drafts, draft_model_drafts, budgets, gammas, draft_weights, se
     return drafts, draft_model_drafts, budgets, gammas, weight_formats
 
 
-def _best(candidates: list, tt: float, min_speedup: float, common: dict) -> Plan:
+def _best(candidates: list, tt: float, min_speedup: float, common: dict, upside: dict[tuple, float]) -> Plan:
     """The plan of the best ``(estimate, view)``, with the best γ of each other (draft, budget) as
-    runner-ups (alternatives rather than the winner's neighbouring γs)."""
+    runner-ups (alternatives rather than the winner's neighbouring γs). Scheduled candidates within
+    :data:`NEAR_TIE` of the best are ranked by their ``upside`` (keyed by view, budget, weights)."""
     candidates.sort(key=lambda c: c[0].speedup, reverse=True)
+    top = candidates[0][0].speedup
+
+    def tied_upside(c) -> float:
+        e = c[0]
+        key = (e.draft, e.draft_budget, e.draft_weights)
+        return upside[key] if e.draft_model is None and key in upside and e.speedup >= top * (1 - NEAR_TIE) else 0.0
+
+    if upside:
+        candidates.sort(key=tied_upside, reverse=True)  # stable: the rest keep their order
     estimates = [e for e, _ in candidates]
     best = estimates[0]
     seen = {(best.draft, best.draft_budget, best.draft_model, best.draft_weights)}
