@@ -229,11 +229,13 @@ def test_near_ties_go_to_the_candidate_with_more_to_gain(monkeypatch):
     picks the candidate that gains most from a better acceptance than its prior (which the schedule
     then measures). SmolLM2-135M, 8 rows, 256-token prompts, 512 new tokens on the cpu preset: the
     prior predicts about 1.0x for every candidate; measured there (docs/benchmarks.md), verified with
-    int8 weights accepted 0.978 and decoded 1.44x faster than plain decoding, SnapKV 0.857 and 1.15x."""
+    int8 weights accepted 0.978 and decoded 1.43x faster than plain decoding, SnapKV 0.864 and 1.16x."""
     import hf_magicdec.planner.search as search
 
     spec = ModelSpec.from_config(SMOLLM2_135M)
-    views = tuple(get_view(v) for v in ("streamingllm", "snapkv", "verified"))
+    # verified choosing after every verification (every=1): its choice costs enough that the prior
+    # alone puts it a hair behind SnapKV.
+    views = (get_view("streamingllm"), get_view("snapkv"), get_view("verified", every=1))
     workload = dict(batch_size=8, prompt_len=256, new_tokens=512, hardware="cpu", drafts=views,
                     draft_weights=("full", "int8", "fp16"), schedule=True)
     chosen = search_plan(spec, **workload)

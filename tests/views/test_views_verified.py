@@ -44,19 +44,19 @@ def test_choice_is_the_pages_with_most_verify_mass_never_sinks_padding_or_window
     batch, prompt, pad = 3, 72, [0, 9, 52]  # row 2: 20 real tokens, fits the view (24 + 8 slots)
     cache = _cache(batch, prompt, pad)
     config = MagicDecConfig.from_any(draft="verified", draft_budget=32, sink_tokens=2, page_size=4, recent_window=8,
-                                     window=4, gamma=2)
+                                     window=4, gamma=2, every=1)
     cache.build_draft_views(config.view, config.draft_budget, config.gamma, prompt, max_new_tokens=8)
     ks, w = cache.static_slots, cache.window_slots
     assert (ks, w) == (24, 8)
     before = static_slots(cache).clone()
     state = _state(cache)
-    assert state.verify_page_size(3) == 4 and state.verify_page_size(1) == 0  # plain steps emit no mass
+    assert state.verify_page_size(1) == 0  # plain steps emit no mass
+    assert state.verify_page_size(3) == 4  # (every=1) a verification does, and the choice follows it
 
     mass = torch.rand(batch, HKV, prompt // 4)
     mass[:, :, -2:] = 100.0  # the window's pages look irresistible: they must not be chosen
     mass[1, :, :2] = 100.0  # row 1's padding pages too
-    state.on_verify_mass(cache, 0, mass[..., :10])  # pages grow with the context: summed, padded
-    state.on_verify_mass(cache, 0, mass - torch.nn.functional.pad(mass[..., :10], (0, mass.shape[-1] - 10)))
+    state.on_verify_mass(cache, 0, mass)
     state.on_commit(cache)
     assert state.rounds == 1 and state.mass == {}
     static = static_slots(cache)
@@ -79,17 +79,19 @@ def test_choice_waits_for_every_and_plain_steps_choose_nothing():
     view = get_view("verified", sink_tokens=0, page_size=4, recent_window=8, every=3, window=4)
     cache.build_draft_views(view, 24, 2, 64, max_new_tokens=8)
     state = _state(cache)
+    assert state.verify_page_size(1) == 0
     state.on_commit(cache)  # a plain step: no mass, not a verification
     assert state.verifications == 0 and state.rounds == 0
     needle = torch.zeros(1, HKV, 16)
     needle[..., 5] = 1.0  # slots 20-23
-    for _ in range(2):
-        state.on_verify_mass(cache, 0, needle)
+    for _ in range(2):  # verifications that no choice follows emit no mass (it would be thrown away)
+        assert state.verify_page_size(3) == 0
         state.on_commit(cache)
     assert state.rounds == 0 and state.verifications == 2
+    assert state.verify_page_size(3) == 4  # the third: its mass chooses
     state.on_verify_mass(cache, 0, needle)
     state.on_commit(cache)
-    assert state.rounds == 1
+    assert state.rounds == 1 and state.verifications == 0
     assert all(s in static_slots(cache)[0, h].tolist() for h in range(HKV) for s in range(20, 24))
 
 

@@ -17,8 +17,8 @@ overestimate: summaries only cover the prompt. No selection when the view holds 
 A view that re-chooses its static part after verifications (``view.reselects`` without
 ``query_aware``, e.g. ``verified``) pays, once per ``every`` verifications and per layer, the
 gather of its static part (``2·2·Hkv·K·Dh·kvb`` bytes) and a top-k over ``⌈S/P⌉`` page masses
-(not modelled, like dynamic's); the mass itself comes out of the verify attention's kernel
-(``B·Hkv·⌈S/P⌉`` fp32 written per layer, included). :func:`choice_seconds` gives that per
+(not modelled, like dynamic's); the mass itself comes out of the verify attention's kernel of
+the verification the choice follows (``B·Hkv·⌈S/P⌉`` fp32 written per layer, included). :func:`choice_seconds` gives that per
 verification.
 """
 
@@ -84,7 +84,7 @@ def choice_seconds(model: ModelSpec, hardware: HardwareSpec, batch: int, context
     """Seconds per verification that ``draft`` spends re-choosing its view from the verify pass's
     attention mass (0 for views that do not: static views and query-aware ones, which
     :func:`selection_seconds` costs per draft step). Arguments as :func:`selection_seconds`; the
-    view's ``every`` (verifications per choice, default 1) amortizes the gather."""
+    view's ``every`` (verifications per choice) amortizes the mass and the gather."""
     check_int("batch", batch, 1)
     check_int("context", context, 0)
     check_int("budget", budget, 1)
@@ -101,4 +101,4 @@ def choice_seconds(model: ModelSpec, hardware: HardwareSpec, batch: int, context
     peak, bw = hardware.peak(model.dtype), hardware.bandwidth
     emit = _group(0.0, float(mass), peak, bw, model.layers, hardware.overlap)
     move = _group(0.0, float(gather), peak, bw, model.layers, hardware.overlap)
-    return emit.seconds + move.seconds / every
+    return (emit.seconds + move.seconds) / every  # only the verification a choice follows emits mass
