@@ -36,10 +36,13 @@ def test_bad_arguments_fail_before_loading(monkeypatch, capsys, argv, fragment):
     assert fragment in capsys.readouterr().err
 
 
-def test_budgets_that_hold_the_whole_prompt_are_skipped():
-    spec = BenchSpec(budgets=(64, 512), drafts=("streamingllm", "full"), gammas=(2,))
+def test_budgets_that_hold_the_whole_generation_are_skipped():
+    spec = BenchSpec(budgets=(64, 512), drafts=("streamingllm", "full"), gammas=(2,), new_tokens=64)
     configs = spec.configs(256)
     assert [(draft_name(c), c.draft_budget) for c in configs] == [("streamingllm", 64), ("full", 64), ("full", 512)]
+    # A long generation outgrows a view that holds the prompt: that budget compresses from then on.
+    long = BenchSpec(budgets=(256, 2048), drafts=("verified",), gammas=(2,), new_tokens=1024)
+    assert [c.draft_budget for c in long.configs(256)] == [256]
 
 
 def test_clock_splits_prefill_from_decode():

@@ -72,8 +72,9 @@ def rounds_notes(results: list[Result], threshold: float | None = None) -> str:
         shared = next((r.extra.get("shared_prefill_s") for r in point if r.extra.get("shared_prefill_s")), None)
         parts = []
         if stock is not None and "reference_prefill_s" in stock.extra:
-            parts.append(f"stock generate {stock.extra['reference_prefill_s']:.2f} s (from scratch, also the token "
-                         f"reference; decode {stock.extra['reference_decode_s']:.2f} s, not counted)")
+            role = ("the prompt cache of the rounds" if stock.extra.get("sampled") else
+                    f"also the token reference; decode {stock.extra['reference_decode_s']:.2f} s, not counted")
+            parts.append(f"stock generate {stock.extra['reference_prefill_s']:.2f} s (from scratch, {role})")
         if shared is not None:
             parts.append(f"MagicDec {shared:.2f} s (chunked, shared by own AR and every MagicDec row)")
         lines.append(f"prefill, once for B={b} S={c}: " + "; ".join(parts))

@@ -285,15 +285,17 @@ def _run_point(spec, model, small, info, generate, ids, outer, token_bar, device
 
     # The reference: stock generate from scratch. Its tokens are every method's target, its
     # prefill the stock prefill, and its cache (cut to the prompt minus its last token) what every
-    # stock and static-cache call of the rounds continues from.
+    # stock and static-cache call of the rounds continues from. Sampled, there are no target
+    # tokens: two are enough for the prefill and the cache.
     outer.set_postfix_str(f"B={batch} S={context} stock generate (reference, from scratch)")
     kept = {}
+    ref_tokens = 2 if spec.sampled else n
 
     def reference(clock):
-        kept["out"] = generate(ids, n, clock, return_dict_in_generate=True)
+        kept["out"] = generate(ids, ref_tokens, clock, return_dict_in_generate=True)
         return kept["out"]
 
-    ref = measure(reference, 1, device, token_bar("stock generate (reference)", n))
+    ref = measure(reference, 1, device, token_bar("stock generate (reference)", ref_tokens))
     state["cache"] = prompt_cache(kept.pop("out").past_key_values, context - 1, model.config)
     base = ref.sequences
     outer.update(1)
@@ -377,11 +379,9 @@ def _aggregate(m: Method, batch: int, context: int, new_tokens: int, base: torch
                        speculation=runs[mid].speculation, peak_bytes=max(peaks, default=None),
                        extra=runs[mid].extra)
     res = Result(m.method, m.label, batch, context, new_tokens, meas, m.config)
-    if base is None:  # sampled: same distribution is the suite's business (chi-square tests)
-        res.extra["sampled"] = True
-        same = None
-    else:
-        same = all(torch.equal(x.sequences, base) for x in runs)
+    # Sampled (no base): same distribution is the suite's business (chi-square tests).
+    same = None if base is None else all(torch.equal(x.sequences, base) for x in runs)
+    res.extra["sampled"] = base is None
     if same is None:
         res.identical = None
     elif m.method == "stock":  # the baseline: continuing from its cache must give the reference's tokens

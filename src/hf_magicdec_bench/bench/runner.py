@@ -131,13 +131,15 @@ class BenchSpec:
         return {"do_sample": True, "temperature": self.temperature} if self.sampled else {"do_sample": False}
 
     def configs(self, context: int) -> list[MagicDecConfig]:
-        """MagicDec configurations worth running at ``context`` (a budget >= context compresses nothing)."""
+        """MagicDec configurations worth running at ``context`` (a budget that holds the prompt and
+        every new token compresses nothing; one that holds only the prompt does once the generation
+        outgrows it: long generations)."""
         out = []
         for draft in self.drafts:
             for budget in self.budgets:
-                if draft != "full" and budget != AUTO and budget >= context:
-                    log.warning("skipping %s budget %d at context %d: the view would hold the whole prompt",
-                                draft, budget, context)
+                if draft != "full" and budget != AUTO and budget >= context + self.new_tokens:
+                    log.warning("skipping %s budget %d at context %d + %d new tokens: the view would hold all of it",
+                                draft, budget, context, self.new_tokens)
                     continue
                 out.extend(MagicDecConfig.from_any(draft=draft, draft_budget=budget, gamma=g, draft_weights=w)
                            for w in self.draft_weights for g in self.gammas)
