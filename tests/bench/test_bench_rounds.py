@@ -219,6 +219,19 @@ def test_sample_trace_keeps_positions_spread_over_the_generation():
     assert rounds_mod.sample_trace([], 20) == []
 
 
+def test_batch_trace_places_speculative_steps_at_the_mean_new_tokens_per_row():
+    """Row 0 accepts little where row 1 accepts all: the position is the rows' mean, not row 0's."""
+    stats = types.SimpleNamespace(steps=3, accepted_lengths=[[0, 0, 3], [3, 3, 3]])
+    trace = [(1, 0.0), (2, 0.1), (3, 0.2), (7, 0.3)]  # row 0 streamed: 1 + 1 + 1 + 4 tokens
+    assert rounds_mod.batch_trace(trace, stats, 10) == [(1.0, 0.0), (3.5, 0.1), (6.0, 0.2), (8.5, 0.3)]
+    # capped at new_tokens, a finished row keeps its count
+    stats = types.SimpleNamespace(steps=2, accepted_lengths=[[3, 3], [3]])
+    assert rounds_mod.batch_trace([(1, 0.0), (5, 0.1), (6, 0.2)], stats, 6) == [(1.0, 0.0), (5.0, 0.1), (5.5, 0.2)]
+    # stock (no statistics), or a trace that is not one entry per step: unchanged
+    assert rounds_mod.batch_trace(trace, None, 10) is trace
+    assert rounds_mod.batch_trace(trace[:2], types.SimpleNamespace(steps=3, accepted_lengths=[[0]]), 10) == trace[:2]
+
+
 def test_position_speedups_compare_windows_against_the_static_cache():
     from hf_magicdec_bench.bench.report import position_speedups
 
@@ -246,7 +259,7 @@ def test_long_generation_rows_carry_a_position_trace_and_plot(tmp_path, tiny_ben
     assert code == 0
     for r in rows:
         positions = [p for p, _ in r["position_trace"]]
-        assert positions == sorted(positions) and positions[-1] == NEW  # row 0's new tokens
+        assert positions == sorted(positions) and positions[-1] == NEW  # every row's new tokens (EOS ignored)
         assert all(b >= a for (_, a), (_, b) in zip(r["position_trace"], r["position_trace"][1:]))
     assert (out / "speedup_vs_position.png").stat().st_size > 0
     magic = [r for r in rows if r["method"] == "magicdec"]

@@ -293,7 +293,7 @@ def position_plot(rows: list[Result], path: Path, title: str) -> bool:
         ax.plot([p[0] for p in pts], [p[1] for p in pts], marker=".", label=name,
                 ls="--" if r.method in ("stock", "own-ar") else "-")
     ax.axhline(1.0, color="#888", lw=0.8, ls="--")
-    ax.set_xlabel("new tokens generated (row 0)")
+    ax.set_xlabel("new tokens generated (mean per row)")
     ax.set_ylabel(f"speedup vs {'static cache' if ref.method == 'stock-static' else 'stock'} "
                   f"(windows of {rows[0].new_tokens // POSITION_WINDOWS} tokens)")
     _finish(plt, fig, ax, path, title, 8)

@@ -365,6 +365,25 @@ def sample_trace(trace: list[tuple[int, float]], new_tokens: int, points: int = 
     return out
 
 
+def batch_trace(trace: list[tuple[int, float]], stats: Any, new_tokens: int) -> list[tuple[float, float]]:
+    """``trace`` (streamed new tokens, seconds) with each step's position as the mean new tokens
+    per row: a speculative step commits a different number of tokens in each row, and the streamed
+    row's count alone would show that row's acceptance, not the batch's throughput. Stock steps
+    commit one token per row, and their trace is returned as it is (as is any trace that is not
+    one entry per step: MagicDec streams the first token, then once per step)."""
+    accepted = getattr(stats, "accepted_lengths", None)
+    if not accepted or len(trace) != getattr(stats, "steps", -1) + 1:
+        return trace
+    totals = [1] * len(accepted)  # the first new token, from the prefill
+    out = [(1.0, trace[0][1])]
+    for step, (_, seconds) in enumerate(trace[1:]):
+        for r, row in enumerate(accepted):
+            if step < len(row):  # a row that stopped (EOS) keeps its count
+                totals[r] = min(new_tokens, totals[r] + row[step] + 1)
+        out.append((round(sum(totals) / len(totals), 2), seconds))
+    return out
+
+
 def _aggregate(m: Method, batch: int, context: int, new_tokens: int, base: torch.Tensor | None) -> Result:
     """One :class:`Result` from a method's rounds: medians, spread, the median round's statistics.
     ``base``: the reference tokens every round must equal (None: sampled, nothing to compare)."""
@@ -392,7 +411,8 @@ def _aggregate(m: Method, batch: int, context: int, new_tokens: int, base: torch
     if same is False:
         log.error("%s output differs from stock generate at B=%d S=%d", m.label, batch, context)
     res.extra.update(
-        position_trace=sample_trace(runs[mid].extra.get("trace", []), new_tokens),
+        position_trace=sample_trace(batch_trace(runs[mid].extra.get("trace", []), runs[mid].speculation, new_tokens),
+                                    new_tokens),
         rounds=len(runs),
         round_position=[p for _, p, _, _ in m.rounds],
         decode_spread=spread(decode),

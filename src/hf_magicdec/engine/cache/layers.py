@@ -157,10 +157,10 @@ class MagicDecLayer(CacheLayerMixin):
 
     def write_rows(self, slots: torch.Tensor, key_states: torch.Tensor, value_states: torch.Tensor, end: int):
         """Each row's tokens at its own slots ``slots [B, q]``; returns the cache up to ``end``."""
-        index = slots[:, None, :, None].expand(-1, key_states.shape[1], -1, key_states.shape[-1])
-        self.keys.scatter_(2, index, key_states)
-        index = slots[:, None, :, None].expand(-1, value_states.shape[1], -1, value_states.shape[-1])
-        self.values.scatter_(2, index, value_states)
+        slots = slots[:, None, :]
+        flat = flat_slots(self.keys, slots) if self.keys.is_contiguous() and self.values.is_contiguous() else None
+        scatter_slots(self.keys, slots, key_states, flat)  # whole head vectors: no per-element index
+        scatter_slots(self.values, slots, value_states, flat)
         return self.keys[:, :, :end], self.values[:, :, :end]
 
     def observe(self, query: torch.Tensor, scaling: float | None, window: int) -> None:
