@@ -217,6 +217,13 @@ def test_a_schedule_measures_the_acceptance_a_low_prior_would_not_try():
     for _ in range(20):
         gammas.append(bad.update(0, 8 * gammas[-1], batch=8, context=100))
     assert gammas[0] > 0 and gammas[1:] == [0] * 20, gammas  # one probing step, then plain decoding
+    # One unlucky first step (8 of 16 drafted: alone, off here) does not end a probe that then accepts 0.95.
+    unlucky = GammaController(2, 8, 0.3, step_model=model, allow_off=True)
+    gammas = [unlucky.update(0, 0, batch=8, context=100), unlucky.update(8, 16, batch=8, context=100)]
+    for _ in range(20):
+        drafted = 8 * gammas[-1]
+        gammas.append(unlucky.update(round(0.95 * drafted), drafted, batch=8, context=100))
+    assert all(g > 0 for g in gammas), gammas
 
 
 SMOLLM2_135M = dict(model_type="llama", num_hidden_layers=30, hidden_size=576, num_attention_heads=9,

@@ -10,10 +10,12 @@ __all__ = ["GammaController"]
 #: Drafted tokens' worth of confidence in the prior when blending it with what was observed.
 PRIOR_WEIGHT = 32
 #: A schedule measures the acceptance rather than assume it: until PROBE_TOKENS tokens were drafted,
-#: where the blended α keeps speculation off, γ is chosen from the acceptance observed so far alone
-#: (PROBE_ALPHA before anything was drafted), so that a prior that is too low cannot keep
-#: speculation off all call long without ever seeing evidence against itself. A probe that does
-#: not pay costs a step or two: the observed α then says off too.
+#: where the blended α keeps speculation off, γ is chosen from the acceptance observed so far
+#: blended with an optimistic PROBE_ALPHA instead of the prior (at the prior's weight), so that a
+#: prior that is too low cannot keep speculation off all call long without ever seeing evidence
+#: against itself, and one unlucky first step (a sampled 11 of 16 drafted tokens, where the call
+#: went on to accept 0.94) does not end the probe. A probe that does not pay costs a step or two:
+#: nothing accepted then says off too.
 PROBE_ALPHA = 0.95
 PROBE_TOKENS = 4 * PRIOR_WEIGHT
 
@@ -79,7 +81,7 @@ class GammaController:
         verify_ratio = {g: v for g, v in verify_ratio.items() if g <= self.max_gamma}
         gamma, _ = best_gamma(self.alpha, draft_ratio, verify_ratio, self.allow_off, self.gamma)
         if gamma == 0 and self.allow_off and self.drafted < PROBE_TOKENS:  # probe: 0 where that does not pay
-            observed = self.accepted / self.drafted if self.drafted else PROBE_ALPHA
-            gamma, _ = best_gamma(observed, draft_ratio, verify_ratio, True)
+            probed = (self.accepted + PRIOR_WEIGHT * PROBE_ALPHA) / (self.drafted + PRIOR_WEIGHT)
+            gamma, _ = best_gamma(probed, draft_ratio, verify_ratio, True)
         self.gamma = gamma
         return self.gamma
