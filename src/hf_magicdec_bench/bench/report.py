@@ -151,7 +151,8 @@ def plots(results: list[Result], out: Path, title: str) -> list[Path]:
     - ``speedup_vs_batch.png`` / ``speedup_vs_context.png`` when the grid varies that axis;
     - ``speedup_vs_position.png`` (one per point) for long generations (``new_tokens`` >=
       :data:`LONG_GENERATION`) with the rounds protocol: speedup over the static-cache baseline in
-      windows of the generation (:func:`position_speedups`);
+      windows of the generation (:func:`position_speedups`), and the MagicDec rows' mean γ and
+      acceptance in windows (``position_schedule``);
     - ``acceptance_vs_budget.png`` per draft view when several budgets ran.
     """
     plt = _pyplot()
@@ -278,24 +279,43 @@ def position_speedups(rows: list[Result], windows: int = POSITION_WINDOWS) -> tu
 
 def position_plot(rows: list[Result], path: Path, title: str) -> bool:
     """``speedup_vs_position.png``: each method's speedup over the static-cache baseline in windows
-    of the generation, by position (long generations: where speculation starts to pay). Returns
-    False without matplotlib."""
+    of the generation, by position (long generations: where speculation starts to pay), and under
+    it the mean γ and the acceptance of the MagicDec rows in the same windows (where the schedule
+    speculated, and how well). Returns False without matplotlib."""
     plt = _pyplot()
     if plt is None:
         return False
     ref_label, series = position_speedups(rows)
     ref = next(r for r in rows if r.label == ref_label)
-    fig, ax = plt.subplots(figsize=(7, 4.2))
+    scheduled = [r for r in rows if r.extra.get("position_schedule")]
+    if scheduled:
+        fig, (ax, ax_gamma, ax_acc) = plt.subplots(3, 1, figsize=(7, 7.6), sharex=True,
+                                                   gridspec_kw={"height_ratios": [2.2, 1, 1]})
+    else:
+        fig, ax = plt.subplots(figsize=(7, 4.2))
+    colors = {}
     for label, pts in series.items():
         r = next(x for x in rows if x.label == label)
         name = label + (f": {r.to_dict()['plan_label']}" if r.config is not None and r.config.planner_may_decline
                         else "")
-        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker=".", label=name,
-                ls="--" if r.method in ("stock", "own-ar") else "-")
+        line, = ax.plot([p[0] for p in pts], [p[1] for p in pts], marker=".", label=name,
+                        ls="--" if r.method in ("stock", "own-ar") else "-")
+        colors[label] = line.get_color()
     ax.axhline(1.0, color="#888", lw=0.8, ls="--")
-    ax.set_xlabel("new tokens generated (mean per row)")
-    ax.set_ylabel(f"speedup vs {'static cache' if ref.method == 'stock-static' else 'stock'} "
+    ax.set_ylabel(f"speedup vs {'static cache' if ref.method == 'stock-static' else 'stock'}\n"
                   f"(windows of {rows[0].new_tokens // POSITION_WINDOWS} tokens)")
+    if scheduled:
+        for r in scheduled:
+            pts = r.extra["position_schedule"]
+            ax_gamma.plot([p[0] for p in pts], [p[1] for p in pts], marker=".", color=colors.get(r.label))
+            acc = [p for p in pts if p[2] is not None]
+            ax_acc.plot([p[0] for p in acc], [p[2] for p in acc], marker=".", color=colors.get(r.label))
+        ax_gamma.set_ylabel("mean γ\n(0: plain steps)")
+        ax_acc.set_ylabel("acceptance α")
+        ax.tick_params(labelbottom=False)
+        ax_acc.set_xlabel("new tokens generated (mean per row)")
+    else:
+        ax.set_xlabel("new tokens generated (mean per row)")
     _finish(plt, fig, ax, path, title, 8)
     return True
 

@@ -56,6 +56,7 @@ from hf_magicdec.defaults import AUTO, DEFAULT_WINDOW
 
 from .. import data
 from .harness import Measurement, environment, measure
+from .report import POSITION_WINDOWS
 from .runner import (
     OWN_AR_BUDGET,
     OWN_AR_DRAFT,
@@ -320,7 +321,9 @@ def _run_point(spec, model, small, info, generate, ids, outer, token_bar, device
                 m.rounds.append((r, position, meas, {"cache_passed": state["passed"]}))
                 outer.update(1)
 
-    rows = [_aggregate(m, batch, context, n, None if spec.sampled else base) for m in methods]
+    eos = model.generation_config.eos_token_id if spec.stop_at_eos else None
+    eos = [eos] if isinstance(eos, int) else eos
+    rows = [_aggregate(m, batch, context, n, None if spec.sampled else base, eos) for m in methods]
     stock = rows[0]
     stock.extra.update(reference_prefill_s=ref.prefill_s, reference_decode_s=ref.decode_s)
     static = next((r for r in rows if r.method == "stock-static"), None)
@@ -365,26 +368,83 @@ def sample_trace(trace: list[tuple[int, float]], new_tokens: int, points: int = 
     return out
 
 
+def step_positions(stats: Any, new_tokens: int) -> list[float] | None:
+    """Mean new tokens per row after the first token and after each speculative step (``steps + 1``
+    values), from the statistics' accepted lengths; None without them. A row that stopped (EOS)
+    keeps its count; counts are capped at ``new_tokens``."""
+    accepted = getattr(stats, "accepted_lengths", None)
+    if not accepted:
+        return None
+    totals = [1] * len(accepted)  # the first new token, from the prefill
+    out = [1.0]
+    for step in range(getattr(stats, "steps", 0)):
+        for r, row in enumerate(accepted):
+            if step < len(row):
+                totals[r] = min(new_tokens, totals[r] + row[step] + 1)
+        out.append(round(sum(totals) / len(totals), 2))
+    return out
+
+
 def batch_trace(trace: list[tuple[int, float]], stats: Any, new_tokens: int) -> list[tuple[float, float]]:
     """``trace`` (streamed new tokens, seconds) with each step's position as the mean new tokens
     per row: a speculative step commits a different number of tokens in each row, and the streamed
     row's count alone would show that row's acceptance, not the batch's throughput. Stock steps
     commit one token per row, and their trace is returned as it is (as is any trace that is not
     one entry per step: MagicDec streams the first token, then once per step)."""
-    accepted = getattr(stats, "accepted_lengths", None)
-    if not accepted or len(trace) != getattr(stats, "steps", -1) + 1:
+    positions = step_positions(stats, new_tokens)
+    if positions is None or len(trace) != len(positions):
         return trace
-    totals = [1] * len(accepted)  # the first new token, from the prefill
-    out = [(1.0, trace[0][1])]
-    for step, (_, seconds) in enumerate(trace[1:]):
-        for r, row in enumerate(accepted):
-            if step < len(row):  # a row that stopped (EOS) keeps its count
-                totals[r] = min(new_tokens, totals[r] + row[step] + 1)
-        out.append((round(sum(totals) / len(totals), 2), seconds))
-    return out
+    return [(p, seconds) for p, (_, seconds) in zip(positions, trace)]
 
 
-def _aggregate(m: Method, batch: int, context: int, new_tokens: int, base: torch.Tensor | None) -> Result:
+def window_schedule(stats: Any, new_tokens: int, windows: int = POSITION_WINDOWS) -> list[list]:
+    """``[[window mid-position, mean γ, acceptance or None], ...]`` over ``windows`` equal windows of
+    the generation (the speedup plot's) (mean new tokens per row): the γ the steps in the window drafted, and the
+    fraction of their drafted tokens the target accepted (None where every step was plain). The
+    long-generation plot draws them under the speedup."""
+    positions = step_positions(stats, new_tokens)
+    gammas = getattr(stats, "gamma_trace", None)
+    if positions is None or not gammas or len(gammas) != len(positions) - 1:
+        return []
+    accepted, row_gammas = stats.accepted_lengths, stats.row_gammas
+    width = new_tokens / windows
+    sums = [[0, 0, 0, 0] for _ in range(windows)]  # steps, sum of γ, accepted, drafted
+    for step, gamma in enumerate(gammas):
+        w = sums[min(windows - 1, int(positions[step] // width))]
+        w[0] += 1
+        w[1] += gamma
+        for row, gs in zip(accepted, row_gammas):
+            if step < len(row):
+                w[2] += row[step]
+                w[3] += gs[step]
+    return [[round((i + 0.5) * width, 1), round(g / n, 3), round(a / d, 4) if d else None]
+            for i, (n, g, a, d) in enumerate(sums) if n]
+
+
+def stock_trace(trace: list, sequences: torch.Tensor, context: int, eos: list[int] | None) -> list:
+    """A stock trace (one entry per step: every live row's next token) with each step's position as
+    the mean new tokens per row, as :func:`batch_trace` places MagicDec's: once a row has stopped at
+    one of the ``eos`` ids its count stays (``sequences [B, context + T]`` tell where). Unchanged
+    when EOS was ignored."""
+    if not eos or not trace:
+        return trace
+    generated = sequences[:, context:]
+    stopped = torch.isin(generated, torch.tensor(eos, device=generated.device))
+    ends = torch.where(stopped.any(1), stopped.int().argmax(1) + 1, generated.shape[1]).tolist()
+    return [(round(sum(min(k, e) for e in ends) / len(ends), 2), seconds) for k, seconds in trace]
+
+
+def _positions(run: Measurement, context: int, new_tokens: int, eos: list[int] | None) -> list:
+    """The run's trace placed by the mean new tokens per row (:func:`batch_trace` for MagicDec,
+    :func:`stock_trace` for stock)."""
+    trace = run.extra.get("trace", [])
+    if run.speculation is not None:
+        return batch_trace(trace, run.speculation, new_tokens)
+    return stock_trace(trace, run.sequences, context, eos)
+
+
+def _aggregate(m: Method, batch: int, context: int, new_tokens: int, base: torch.Tensor | None,
+               eos: list[int] | None = None) -> Result:
     """One :class:`Result` from a method's rounds: medians, spread, the median round's statistics.
     ``base``: the reference tokens every round must equal (None: sampled, nothing to compare)."""
     m.rounds.sort(key=lambda t: t[0])
@@ -411,8 +471,8 @@ def _aggregate(m: Method, batch: int, context: int, new_tokens: int, base: torch
     if same is False:
         log.error("%s output differs from stock generate at B=%d S=%d", m.label, batch, context)
     res.extra.update(
-        position_trace=sample_trace(batch_trace(runs[mid].extra.get("trace", []), runs[mid].speculation, new_tokens),
-                                    new_tokens),
+        position_trace=sample_trace(_positions(runs[mid], context, new_tokens, eos), new_tokens),
+        position_schedule=window_schedule(runs[mid].speculation, new_tokens),
         rounds=len(runs),
         round_position=[p for _, p, _, _ in m.rounds],
         decode_spread=spread(decode),
