@@ -242,6 +242,26 @@ def test_stock_trace_counts_rows_that_stopped_at_eos_as_stopped():
     assert rounds_mod.stock_trace(trace, torch.cat([prompt, generated], 1), 3, None) is trace  # EOS ignored
 
 
+def test_rows_that_stopped_at_eos_count_only_their_tokens():
+    """tok/s, ms/tok and the bandwidth estimate of an EOS run count each row's tokens up to its EOS,
+    not the padding after it (2 rows: 2 and 4 new tokens of 4)."""
+    from hf_magicdec_bench.bench.harness import Measurement
+    from hf_magicdec_bench.bench.runner import ModelInfo, Result, _bytes_read
+
+    prompt = torch.full((2, 3), 5)
+    seqs = torch.cat([prompt, torch.tensor([[7, 2, 0, 0], [7, 7, 7, 7]])], 1)
+    assert rounds_mod.row_tokens(seqs, 3, [2]) == [2, 4]
+    m = Measurement(prefill_s=1.0, decode_s=2.0, prefill_all=[1.0], decode_all=[2.0], sequences=seqs)
+    full, eos = Result("stock", "stock", 2, 3, 4, m), Result("stock", "stock", 2, 3, 4, m, row_tokens=[2, 4])
+    assert (full.decode_tokens, eos.decode_tokens) == (6, 4)
+    assert (full.decode_tok_per_s, eos.decode_tok_per_s) == (3.0, 2.0)
+    assert (full.ms_per_token, eos.ms_per_token) == (2000 / 3, 1000.0)
+    info = ModelInfo(weight_bytes=100, kv_bytes_per_token=1)
+    # 3 forwards either way (the long row); KV read: row 0 contexts 4 | row 1 contexts 4, 5, 6
+    assert _bytes_read(info, full) == 300 + 2 * (4 + 5 + 6)
+    assert _bytes_read(info, eos) == 300 + 4 + (4 + 5 + 6)
+
+
 def test_window_schedule_gives_gamma_and_acceptance_over_the_generation():
     """Two rows, 4 steps: two plain steps, then γ = 2 (row 0 accepts 2 then 0, row 1 accepts 2
     twice); windows of 4 mean tokens per row."""

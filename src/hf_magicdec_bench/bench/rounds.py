@@ -398,10 +398,10 @@ def batch_trace(trace: list[tuple[int, float]], stats: Any, new_tokens: int) -> 
 
 
 def window_schedule(stats: Any, new_tokens: int, windows: int = POSITION_WINDOWS) -> list[list]:
-    """``[[window mid-position, mean γ, acceptance or None], ...]`` over ``windows`` equal windows of
-    the generation (the speedup plot's) (mean new tokens per row): the γ the steps in the window drafted, and the
-    fraction of their drafted tokens the target accepted (None where every step was plain). The
-    long-generation plot draws them under the speedup."""
+    """``[[window mid-position, mean γ, acceptance or None], ...]`` over the speedup plot's
+    ``windows`` equal windows of the generation (by mean new tokens per row): the mean γ of the
+    steps that started in the window, and the fraction of their drafted tokens the target accepted
+    (None where every step was plain). The long-generation plot draws them under the speedup."""
     positions = step_positions(stats, new_tokens)
     gammas = getattr(stats, "gamma_trace", None)
     if positions is None or not gammas or len(gammas) != len(positions) - 1:
@@ -428,10 +428,16 @@ def stock_trace(trace: list, sequences: torch.Tensor, context: int, eos: list[in
     when EOS was ignored."""
     if not eos or not trace:
         return trace
+    ends = row_tokens(sequences, context, eos)
+    return [(round(sum(min(k, e) for e in ends) / len(ends), 2), seconds) for k, seconds in trace]
+
+
+def row_tokens(sequences: torch.Tensor, context: int, eos: list[int]) -> list[int]:
+    """New tokens of each row up to and including its first EOS (all of them where none):
+    ``sequences [B, context + T]`` -> B counts."""
     generated = sequences[:, context:]
     stopped = torch.isin(generated, torch.tensor(eos, device=generated.device))
-    ends = torch.where(stopped.any(1), stopped.int().argmax(1) + 1, generated.shape[1]).tolist()
-    return [(round(sum(min(k, e) for e in ends) / len(ends), 2), seconds) for k, seconds in trace]
+    return torch.where(stopped.any(1), stopped.int().argmax(1) + 1, generated.shape[1]).tolist()
 
 
 def _positions(run: Measurement, context: int, new_tokens: int, eos: list[int] | None) -> list:
@@ -457,7 +463,8 @@ def _aggregate(m: Method, batch: int, context: int, new_tokens: int, base: torch
                        prefill_all=prefill, decode_all=decode, sequences=runs[mid].sequences,
                        speculation=runs[mid].speculation, peak_bytes=max(peaks, default=None),
                        extra=runs[mid].extra)
-    res = Result(m.method, m.label, batch, context, new_tokens, meas, m.config)
+    res = Result(m.method, m.label, batch, context, new_tokens, meas, m.config,
+                 row_tokens=row_tokens(meas.sequences, context, eos) if eos else None)
     # Sampled (no base): same distribution is the suite's business (chi-square tests).
     same = None if base is None else all(torch.equal(x.sequences, base) for x in runs)
     res.extra["sampled"] = base is None

@@ -225,10 +225,15 @@ class Result:
     speedup_vs_ar: float | None = None
     predicted_speedup: float | None = None
     extra: dict = field(default_factory=dict)
+    # New tokens of each row up to and including its EOS, when EOS was honoured (None: every row
+    # generated ``new_tokens``): rows that stopped early must not count the padding after it.
+    row_tokens: list[int] | None = None
 
     @property
     def decode_tokens(self) -> int:
         """Tokens committed during decode, all rows (the first token of each row is prefill's)."""
+        if self.row_tokens is not None:
+            return sum(n - 1 for n in self.row_tokens)
         return self.batch * (self.new_tokens - 1)
 
     @property
@@ -237,8 +242,9 @@ class Result:
 
     @property
     def ms_per_token(self) -> float:
-        """Per-token latency of a row: decode time / tokens a row generated after the first."""
-        return 1000 * self.m.decode_s / (self.new_tokens - 1)
+        """Per-token latency of a row: decode time / tokens a row generated after the first (their
+        mean over the rows when EOS stopped some early)."""
+        return 1000 * self.m.decode_s * self.batch / max(1, self.decode_tokens)
 
     @property
     def gb_per_s(self) -> float | None:
@@ -270,6 +276,7 @@ class Result:
             "prefill_s_all": self.m.prefill_all,
             "decode_s_all": self.m.decode_all,
             "decode_tokens": self.decode_tokens,
+            "row_tokens": self.row_tokens,
             "decode_tok_per_s": self.decode_tok_per_s,
             "ms_per_token": self.ms_per_token,
             "speedup_vs_stock": self.speedup_vs_stock,
@@ -306,14 +313,13 @@ class Result:
 def _bytes_read(info: ModelInfo, result: Result) -> float:
     """Estimated bytes the decode phase reads: weights once per forward plus the KV each attends to."""
     b, p, n = result.batch, result.context, result.new_tokens
-    steps = n - 1
-    if result.config is None or result.config.gamma == 0:
-        kv_tokens = b * sum(p + t for t in range(1, n))
-        return steps * info.weight_bytes + kv_tokens * info.kv_bytes_per_token
     s = result.m.speculation
-    if s is None or not s.steps:  # the planner chose plain decoding
-        kv_tokens = b * sum(p + t for t in range(1, n))
-        return steps * info.weight_bytes + kv_tokens * info.kv_bytes_per_token
+    if result.config is None or result.config.gamma == 0 or s is None or not s.steps:
+        # Plain decoding (or the planner chose it): one forward per step until the longest row
+        # stops; each live row reads its own context.
+        rows = result.row_tokens or [n] * b
+        kv_tokens = sum(p * (r - 1) + r * (r - 1) // 2 for r in rows)
+        return (max(rows) - 1) * info.weight_bytes + kv_tokens * info.kv_bytes_per_token
     row_steps = sum(len(r) for r in s.accepted_lengths) - b  # the first token is prefill's, not a step
     row_steps = max(row_steps, s.steps)
     mean_ctx = p + n / 2
