@@ -237,9 +237,10 @@ def test_stock_trace_counts_rows_that_stopped_at_eos_as_stopped():
     prompt = torch.full((2, 3), 5)
     generated = torch.tensor([[7, 2, 0, 0], [7, 7, 7, 7]])  # row 0 stops at EOS (2) after 2 tokens
     trace = [(k, 0.1 * k) for k in (1, 2, 3, 4)]
-    out = rounds_mod.stock_trace(trace, torch.cat([prompt, generated], 1), 3, [2])
+    ends = rounds_mod.row_tokens(torch.cat([prompt, generated], 1), 3, [2])
+    out = rounds_mod.stock_trace(trace, ends)
     assert out == [(1.0, 0.1), (2.0, 0.2), (2.5, trace[2][1]), (3.0, trace[3][1])]
-    assert rounds_mod.stock_trace(trace, torch.cat([prompt, generated], 1), 3, None) is trace  # EOS ignored
+    assert rounds_mod.stock_trace(trace, None) is trace  # EOS ignored
 
 
 def test_rows_that_stopped_at_eos_count_only_their_tokens():

@@ -421,14 +421,13 @@ def window_schedule(stats: Any, new_tokens: int, windows: int = POSITION_WINDOWS
             for i, (n, g, a, d) in enumerate(sums) if n]
 
 
-def stock_trace(trace: list, sequences: torch.Tensor, context: int, eos: list[int] | None) -> list:
+def stock_trace(trace: list, ends: list[int] | None) -> list:
     """A stock trace (one entry per step: every live row's next token) with each step's position as
-    the mean new tokens per row, as :func:`batch_trace` places MagicDec's: once a row has stopped at
-    one of the ``eos`` ids its count stays (``sequences [B, context + T]`` tell where). Unchanged
-    when EOS was ignored."""
-    if not eos or not trace:
+    the mean new tokens per row, as :func:`batch_trace` places MagicDec's: once a row has stopped
+    (``ends``: each row's new tokens up to its EOS, :func:`row_tokens`) its count stays. Unchanged
+    when EOS was ignored (``ends`` None)."""
+    if not ends or not trace:
         return trace
-    ends = row_tokens(sequences, context, eos)
     return [(round(sum(min(k, e) for e in ends) / len(ends), 2), seconds) for k, seconds in trace]
 
 
@@ -440,13 +439,13 @@ def row_tokens(sequences: torch.Tensor, context: int, eos: list[int]) -> list[in
     return torch.where(stopped.any(1), stopped.int().argmax(1) + 1, generated.shape[1]).tolist()
 
 
-def _positions(run: Measurement, context: int, new_tokens: int, eos: list[int] | None) -> list:
+def _positions(run: Measurement, new_tokens: int, ends: list[int] | None) -> list:
     """The run's trace placed by the mean new tokens per row (:func:`batch_trace` for MagicDec,
     :func:`stock_trace` for stock)."""
     trace = run.extra.get("trace", [])
     if run.speculation is not None:
         return batch_trace(trace, run.speculation, new_tokens)
-    return stock_trace(trace, run.sequences, context, eos)
+    return stock_trace(trace, ends)
 
 
 def _aggregate(m: Method, batch: int, context: int, new_tokens: int, base: torch.Tensor | None,
@@ -463,8 +462,8 @@ def _aggregate(m: Method, batch: int, context: int, new_tokens: int, base: torch
                        prefill_all=prefill, decode_all=decode, sequences=runs[mid].sequences,
                        speculation=runs[mid].speculation, peak_bytes=max(peaks, default=None),
                        extra=runs[mid].extra)
-    res = Result(m.method, m.label, batch, context, new_tokens, meas, m.config,
-                 row_tokens=row_tokens(meas.sequences, context, eos) if eos else None)
+    ends = row_tokens(meas.sequences, context, eos) if eos else None  # None: every row ran to new_tokens
+    res = Result(m.method, m.label, batch, context, new_tokens, meas, m.config, row_tokens=ends)
     # Sampled (no base): same distribution is the suite's business (chi-square tests).
     same = None if base is None else all(torch.equal(x.sequences, base) for x in runs)
     res.extra["sampled"] = base is None
@@ -478,7 +477,7 @@ def _aggregate(m: Method, batch: int, context: int, new_tokens: int, base: torch
     if same is False:
         log.error("%s output differs from stock generate at B=%d S=%d", m.label, batch, context)
     res.extra.update(
-        position_trace=sample_trace(_positions(runs[mid], context, new_tokens, eos), new_tokens),
+        position_trace=sample_trace(_positions(runs[mid], new_tokens, ends), new_tokens),
         position_schedule=window_schedule(runs[mid].speculation, new_tokens),
         rounds=len(runs),
         round_position=[p for _, p, _, _ in m.rounds],
