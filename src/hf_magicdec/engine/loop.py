@@ -65,7 +65,6 @@ class _Read:
     context: int  # tokens of the unfinished rows, in all (a schedule chooses γ for their mean)
     drafted: int  # draft tokens drafted this step, all rows
     finished: torch.Tensor | None = None
-    room: int = 0  # new tokens the unfinished row furthest from its cap (max_new_tokens) may still emit
 
 
 class Engine:
@@ -132,11 +131,11 @@ class Engine:
         self.drafter.prepare(self.cache, input_ids, position_ids, max_new, self.scratch)
         self.observers.on_prefilled()
         _, finished = self._emit(b, stopper, first[:, None], torch.ones_like(first), scores, logits)
-        return self._read(finished, None, None, 0, stopper.room(b.rows, b.seq_len))
+        return self._read(finished, None, None, 0)
 
     def _step(self, b: _Rows, stopper: Stopper, gamma: int, last: _Read) -> _Read:
         """One speculation step of the working batch, in the order of the module docstring."""
-        self._drop_finished(b, last, gamma)
+        self._drop_finished(b, last)
         pending = self._make_room(b, gamma)
         t0 = time.perf_counter()
         drafts, draft_probs = self._draft(b, pending, gamma)
@@ -149,7 +148,7 @@ class Engine:
         tokens = torch.cat([drafts, nxt[:, None]], dim=1)
         tokens.scatter_(1, accepted[:, None], nxt[:, None])  # [b, γ+1]; the first accepted + 1 are real
         emitted, finished = self._emit(b, stopper, tokens, (accepted + 1).masked_fill(b.dead, 0), scores, logits)
-        read = self._read(finished, emitted, accepted, gamma * last.alive, stopper.room(b.rows, b.seq_len))
+        read = self._read(finished, emitted, accepted, gamma * last.alive)
         # The verified KV of the emitted tokens; the draft views' windows only when they are read soon.
         self.cache.commit(emitted, read.longest, feed_views=self.drafter.feeds_views(gamma))
         self.drafter.commit(emitted, accepted, gamma)
@@ -224,36 +223,25 @@ class Engine:
         return emitted, finished
 
     def _read(self, finished: torch.Tensor, emitted: torch.Tensor | None, accepted: torch.Tensor | None,
-              drafted: int, room: torch.Tensor) -> _Read:
+              drafted: int) -> _Read:
         """The step's one device→host read: rows alive, the longest row and the longest alive row
-        once ``emitted`` is committed (None: nothing to commit), the accepted drafts, the alive
-        rows' tokens and the most tokens an alive row may still emit (``room [b]``: each row's)."""
+        once ``emitted`` is committed (None: nothing to commit), the accepted drafts and the alive
+        rows' tokens."""
         lengths = self.cache.lengths
         if emitted is not None:
             lengths = lengths + emitted.to(lengths.device)
         alive = (~finished).to(lengths.device)
         total = accepted.sum().to(lengths.device) if accepted is not None else lengths.new_zeros(())
         tokens = torch.where(alive, lengths - self.cache.pad, 0).sum()
-        most = torch.where(alive, room.to(lengths), 0).max()
-        counts = torch.stack([alive.sum(), lengths.max(), torch.where(alive, lengths, 0).max(), total, tokens, most])
-        *counts, most = counts.tolist()
-        return _Read(*counts, drafted=drafted, finished=finished, room=most)
+        counts = torch.stack([alive.sum(), lengths.max(), torch.where(alive, lengths, 0).max(), total, tokens])
+        return _Read(*counts.tolist(), drafted=drafted, finished=finished)
 
-    def _drop_finished(self, b: _Rows, last: _Read, gamma: int) -> None:
-        """Finished rows leave the working batch when that pays (:func:`compaction_pays`: the
-        cache copies against the steps left to carry them); under compiled steps once at most half
-        the batch is alive instead, so batch sizes (graph shapes) at least halve from one to the
-        next, the same in every call. Until then they stay as dead rows (computed, masked, never
-        emitting)."""
+    def _drop_finished(self, b: _Rows, last: _Read) -> None:
+        """Finished rows leave the working batch at once, except under compiled steps: there they
+        stay as dead rows until at most half the batch is alive, so batch sizes (graph shapes) at
+        least halve from one to the next."""
         finished, alive = last.finished, last.alive
-        rows = b.rows.shape[0]
-        if alive == rows:
-            keep = True
-        elif self.call.compiled is not None:
-            keep = 2 * alive > rows
-        else:
-            keep = not compaction_pays(alive, rows - alive, last.room, gamma, self.past.outlives)
-        if keep:
+        if alive == b.rows.shape[0] or (self.call.compiled is not None and 2 * alive > b.rows.shape[0]):
             b.dead = finished
             return
         if self.past.outlives:  # their KV leaves the working cache now: keep it for the hand-back
@@ -309,22 +297,6 @@ class Engine:
         cols = torch.arange(total, device=sequences.device)
         sequences[cols[None, :] >= b.seq_len[:, None]] = self.pad_id
         return sequences
-
-
-def compaction_pays(alive: int, dead: int, room: int, gamma: int, export: bool = False) -> bool:
-    """Whether dropping ``dead`` finished rows from a working batch of ``alive + dead`` pays.
-
-    Dropping them copies the alive rows' cache (read and written once: ``2 * alive`` rows' KV),
-    and with ``export`` (the cache is handed back) the dead rows' KV out first (``2 * dead``: a copy
-    the hand-back would otherwise make once, at the end, for every row). Keeping them has every
-    later step read their KV (verify attends over their whole context): ``dead`` rows' KV per step,
-    for at least ``room / (γ + 1)`` more steps (``room``: the most new tokens an alive row may
-    still emit; every row accepting every draft). Near the end of a generation run to
-    ``max_new_tokens`` the copies are the dearer (on 2 CPU cores, 8 x 4K prompts, 128 new tokens,
-    the cache handed back: 3-4 s of a 16 s decode went to rows that finished a few steps before the
-    others); with EOS far from the cap dropping is the cheaper."""
-    steps_left = -(-room // (gamma + 1))
-    return dead * steps_left > 2 * alive + (2 * dead if export else 0)
 
 
 def _synced(device: torch.device) -> float:

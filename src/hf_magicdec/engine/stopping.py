@@ -25,11 +25,6 @@ class Stopper:
         self.done = torch.zeros(batch, dtype=torch.bool, device=device)  # at max length (no EOS criterion)
         self.flagged_len = torch.full((batch,), -1, device=device, dtype=torch.long)
 
-    def room(self, rows: torch.Tensor, seq_len: torch.Tensor) -> torch.Tensor:
-        """``[b]`` new tokens each working row may still emit before its cap (``max_new_tokens``);
-        EOS may end it sooner."""
-        return (self.cap[rows] - seq_len[rows]).clamp(min=0)
-
     def emit(self, rb: RaggedBatch, rows: torch.Tensor, seq_len: torch.Tensor, new_tokens: torch.Tensor,
              num_new: torch.Tensor, dead: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Write each working row's ``num_new [b]`` new tokens (``new_tokens [b, w]``) after its
