@@ -7,6 +7,7 @@ Everything except the calibration smoke test is pure Python and runs in millisec
 from __future__ import annotations
 
 import ast
+import dataclasses
 import json
 import math
 from pathlib import Path
@@ -523,6 +524,8 @@ def test_calibration_round_trip_and_plan(tmp_path):
     assert "measured ms" in back.table()
     hw = back.hardware("cpu")
     assert hw.name == "cpu-test (calibrated)" and hw.overhead == pytest.approx(4e-3, rel=1e-3)
+    # A CPU runs the twin (verified's mass unfused), a GPU the Triton kernel, whatever the base preset.
+    assert not hw.fused_mass and dataclasses.replace(back, device="cuda-h200").hardware("cpu").fused_mass
     p = plan(spec, batch_size=8, prompt_len=4096, new_tokens=128, hardware="cpu", calibration=back)
     assert p.hardware == "cpu-test (calibrated)"
     assert p.t_target == pytest.approx(target_step(spec, truth, 8, 4160).seconds, rel=1e-3)

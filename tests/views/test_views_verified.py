@@ -179,3 +179,23 @@ def test_cost_model_charges_the_choice_once_per_every():
     a = estimate(spec, hw, batch=32, context=32768, draft=view, budget=512, gamma=3)
     b = estimate(spec, hw, batch=32, context=32768, draft=get_view("snapkv"), budget=512, gamma=3)
     assert a.t_verify == pytest.approx(b.t_verify + per_verify)
+
+
+def test_cost_model_charges_the_twins_explicit_softmax_where_the_mass_is_not_fused():
+    """On a CPU the PyTorch twin emits the mass: the emitting verification writes and reads its fp32
+    probabilities once more (2·4·B·H·q·S bytes per layer), priced per verification like the rest;
+    the fused kernel's few bytes per page stay the whole cost on a GPU preset."""
+    config = json.loads((Path(__file__).parents[1] / "configs" / "llama-3.1-8b.json").read_text())
+    spec, view = ModelSpec.from_config(config, name="llama-3.1-8b"), get_view("verified")
+    cpu = get_hardware("cpu")
+    assert not cpu.fused_mass and get_hardware("h100").fused_mass
+    fused = cpu.replace(fused_mass=True)
+    extra = choice_seconds(spec, cpu, 8, 4096, 256, view, 4) - choice_seconds(spec, fused, 8, 4096, 256, view, 4)
+    per_layer = 2 * 4 * 8 * spec.heads * 4 * 4096 / cpu.bandwidth  # overlap False: bytes / bandwidth
+    assert extra == pytest.approx(spec.layers * per_layer / view.every, rel=0.02)
+    assert choice_seconds(spec, cpu, 8, 4096, 256, view, 8) > choice_seconds(spec, cpu, 8, 4096, 256, view, 4)
+    h100 = get_hardware("h100")
+    assert choice_seconds(spec, h100, 8, 4096, 256, view, 8) == choice_seconds(spec, h100, 8, 4096, 256, view, 4)
+    a = estimate(spec, cpu, batch=8, context=4096, draft=view, budget=256, gamma=3)
+    b = estimate(spec, cpu, batch=8, context=4096, draft=get_view("snapkv"), budget=256, gamma=3)
+    assert a.t_verify == pytest.approx(b.t_verify + choice_seconds(spec, cpu, 8, 4096, 256, view, 4))

@@ -65,6 +65,13 @@ class HardwareSpec:
         True (roofline): an op group costs ``max(compute, memory)``, the two overlap perfectly,
         as on GPUs. False: ``compute + memory``, which describes small CPU matmuls better (see
         :mod:`~hf_magicdec.planner.calibrate`, which picks whichever fits the device).
+    fused_mass : bool
+        Whether the verify attention emits the attention mass per page (the ``verified`` view's
+        choice) inside its fused kernel (the Triton kernel, on CUDA): then it costs a few bytes per
+        page. False (the ``cpu`` preset and CPU calibrations): the PyTorch twin computes that
+        verification's attention with an explicit softmax, writing and reading its fp32
+        probabilities once more than a fused attention does (at 8 rows x 4K on 2 CPU cores, 5.2 ms
+        per layer against 4.4 ms).
 
     Raises
     ------
@@ -90,6 +97,7 @@ class HardwareSpec:
     layer_overhead: float = 0.0
     captured: bool = True
     format_flops: Mapping[str, float] = field(default_factory=dict, hash=False)
+    fused_mass: bool = True
 
     def __reduce__(self):
         """Picklable (a plan's step model is broadcast to the other ranks): the read-only mapping
@@ -128,6 +136,8 @@ class HardwareSpec:
         check_int("tp", self.tp)
         if not isinstance(self.overlap, bool):
             raise ValueError(f"overlap must be a bool, got {self.overlap!r}.")
+        if not isinstance(self.fused_mass, bool):
+            raise ValueError(f"fused_mass must be a bool, got {self.fused_mass!r}.")
 
     def peak(self, dtype: Any) -> float:
         """Peak FLOP/s of one device for ``dtype``.
@@ -220,6 +230,7 @@ HARDWARE_PRESETS: dict[str, HardwareSpec] = {
         # γ = 4 at 8 rows, predicted 1.2x and 1.8x (the former preset, 100 GFLOP/s and 20 GB/s: 1.5x
         # and 2.7x). A machine with more cores has more of both: calibrate to replace them.
         name="cpu (uncalibrated)",
+        fused_mass=False,  # the PyTorch twin emits verified's mass (explicit softmax)
         peak_flops={"float32": 180e9, "bfloat16": 50e9, "float16": 25e9},
         # Linear layers of a compressed self-draft: dynamically quantized int8 (activations
         # quantized per call) and fbgemm's fp16 weights (fp32 math), both slower per FLOP than

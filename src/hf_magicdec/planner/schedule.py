@@ -82,9 +82,10 @@ class StepModel:
             held = min(self.budget, ctx)  # a view larger than the context holds the context
             td = draft_step(self.drafter, hw, batch, ctx, held).seconds
             td += selection_seconds(self.drafter, hw, batch, ctx, self.budget, self.view)
-            choice = choice_seconds(self.drafter, hw, batch, ctx, self.budget, self.view)  # per verification
-            hit = self._memo[key] = (tt, td / tt, {g: (verify_step(self.spec, hw, batch, ctx, g).seconds + choice) / tt
-                                                  for g in self.gammas})
+            hit = self._memo[key] = (tt, td / tt, {
+                g: (verify_step(self.spec, hw, batch, ctx, g).seconds
+                    + choice_seconds(self.drafter, hw, batch, ctx, self.budget, self.view, g + 1)) / tt  # per verification
+                for g in self.gammas})
         return hit
 
     def __getstate__(self):  # broadcast to other ranks without the memo

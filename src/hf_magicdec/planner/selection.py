@@ -18,8 +18,12 @@ A view that re-chooses its static part after verifications (``view.reselects`` w
 ``query_aware``, e.g. ``verified``) pays, once per ``every`` verifications and per layer, the
 gather of its static part (``2·2·Hkv·K·Dh·kvb`` bytes) and a top-k over ``⌈S/P⌉`` page masses
 (not modelled, like dynamic's); the mass itself comes out of the verify attention's kernel of
-the verification the choice follows (``B·Hkv·⌈S/P⌉`` fp32 written per layer, included). :func:`choice_seconds` gives that per
-verification.
+the verification the choice follows (``B·Hkv·⌈S/P⌉`` fp32 written per layer, included) — where
+the fused kernel emits it (``hardware.fused_mass``). Where the PyTorch twin does (CPUs), that
+verification's attention materialises the fp32 probabilities of its ``q = γ + 1`` queries, written
+and read once more than a fused attention: ``2·4·B·H·q·S`` bytes per layer (at 8 rows, 9 heads,
+q = 4, 4K context on 2 CPU cores: 0.8 ms measured per layer, 0.8 ms predicted at the ``cpu``
+preset's 12 GB/s). :func:`choice_seconds` gives that per verification.
 """
 
 from __future__ import annotations
@@ -80,14 +84,17 @@ def selection_seconds(model: ModelSpec, hardware: HardwareSpec, batch: int, cont
 
 
 def choice_seconds(model: ModelSpec, hardware: HardwareSpec, batch: int, context: int, budget: int,
-                   draft: Any) -> float:
+                   draft: Any, queries: int = 1) -> float:
     """Seconds per verification that ``draft`` spends re-choosing its view from the verify pass's
     attention mass (0 for views that do not: static views and query-aware ones, which
-    :func:`selection_seconds` costs per draft step). Arguments as :func:`selection_seconds`; the
-    view's ``every`` (verifications per choice) amortizes the mass and the gather."""
+    :func:`selection_seconds` costs per draft step). Arguments as :func:`selection_seconds`;
+    ``queries``: tokens per verification (γ + 1), which the PyTorch twin's explicit softmax scales
+    with (``hardware.fused_mass`` False). The view's ``every`` (verifications per choice) amortizes
+    the mass and the gather."""
     check_int("batch", batch, 1)
     check_int("context", context, 0)
     check_int("budget", budget, 1)
+    check_int("queries", queries, 1)
     if not getattr(draft, "reselects", False) or getattr(draft, "query_aware", False) or budget >= context:
         return 0.0
     page_size = getattr(draft, "page_size", DEFAULT_PAGE_SIZE)
@@ -95,8 +102,10 @@ def choice_seconds(model: ModelSpec, hardware: HardwareSpec, batch: int, context
     check_int("page_size", page_size, 1)
     check_int("every", every, 1)
     tp = hardware.tp
-    kv_heads = math.ceil(model.kv_heads / tp)
+    heads, kv_heads = math.ceil(model.heads / tp), math.ceil(model.kv_heads / tp)
     mass = 4 * batch * kv_heads * math.ceil(context / page_size)
+    if not hardware.fused_mass:  # the twin's fp32 probabilities, written and read once more
+        mass += 2 * 4 * batch * heads * queries * context
     gather = 2 * 2 * batch * kv_heads * budget * model.head_dim * model.kv_bytes
     peak, bw = hardware.peak(model.dtype), hardware.bandwidth
     emit = _group(0.0, float(mass), peak, bw, model.layers, hardware.overlap)
