@@ -161,6 +161,64 @@ def test_select_rows_keeps_state_aligned():
     assert cache.draft_valid().shape == (2, 10)
 
 
+@pytest.mark.parametrize("finished, order", [
+    ((False, True, False, False), [0, 3, 2, 1]),  # row 3 fills the hole at 1, row 1 goes to the end
+    ((True, True, False, False, True), [2, 3, 0, 1, 4]),
+    ((False, False, True), [0, 1, 2]),  # only the last finished: nothing moves
+    ((True, True), [0, 1]),
+])
+def test_row_moves_fill_holes_from_the_end(finished, order):
+    from hf_magicdec.engine.cache.buffers import row_moves
+
+    got, holes, sources = row_moves(finished)
+    kept = finished.count(False)
+    assert got == order and len(holes) == len(sources)
+    assert not any(finished[r] for r in got[:kept]) and all(finished[r] for r in got[kept:])
+    assert all(h < kept <= s for h, s in zip(holes, sources))
+
+
+@pytest.mark.parametrize("keep_finished", [False, True])
+def test_finished_rows_leave_in_place(keep_finished):
+    # What the loop does when rows finish: the kept rows end up in the front of the same buffers,
+    # in the returned order, equal to a plain row selection in the full KV's filled slots and in
+    # the draft views; handed back, the finished rows' KV is returned as it was, without a copy.
+    cache = _prefilled(layers=3)
+    config = MagicDecConfig.from_any(draft="streamingllm", draft_budget=10, sink_tokens=3, gamma=2)
+    cache.build_draft_views(config.view, config.draft_budget, config.gamma, 20, max_new_tokens=8)
+    before = [(layer.keys.clone(), layer.draft.keys.clone()) for layer in cache.layers]
+    storage = [(layer.keys.data_ptr(), layer.values.data_ptr(), layer.draft.keys.data_ptr()) for layer in cache.layers]
+    order, gone = cache.drop_rows((True, False, False), max_length=20, keep_finished=keep_finished)
+    assert order.tolist() == [2, 1, 0]
+    assert cache.num_rows == 2 and cache.pad.tolist() == [12, 5]
+    for i, layer in enumerate(cache.layers):
+        full, draft = before[i]
+        assert (layer.keys.data_ptr(), layer.values.data_ptr(), layer.draft.keys.data_ptr()) == storage[i]
+        assert torch.equal(layer.keys[:, :, :20], full[[2, 1], :, :20]) and torch.equal(layer.draft.keys, draft[[2, 1]])
+        assert torch.isfinite(layer.keys).all()
+        if keep_finished:
+            keys, values = gone[1][i]
+            assert keys.data_ptr() == storage[i][0] + 2 * layer.keys[0].numel() * keys.element_size()
+            assert torch.equal(keys, full[[0], :, :20]) and torch.equal(values, full[[0], :, :20])
+    assert gone is None if not keep_finished else gone[0].tolist() == [20]
+
+
+@pytest.mark.parametrize("filled", [None, 5])
+@pytest.mark.parametrize("swap", [False, True])
+def test_move_rows_moves_only_filled_slots(filled, swap):
+    from hf_magicdec.engine.cache.buffers import move_rows
+
+    buffer = torch.randn(5, 2, 7, 3)
+    before = buffer.clone()
+    move_rows(buffer, torch.tensor([0, 2]), torch.tensor([3, 4]), filled, swap)
+    span = slice(None) if filled is None else slice(0, filled)
+    assert torch.equal(buffer[[0, 2], :, span], before[[3, 4], :, span])
+    assert torch.equal(buffer[1], before[1])
+    if swap:
+        assert torch.equal(buffer[[3, 4], :, span], before[[0, 2], :, span])
+    if filled is not None:
+        assert torch.equal(buffer[:, :, filled:], before[:, :, filled:])
+
+
 def test_crop_and_beam_reorder_refuse():
     cache = _prefilled()
     with pytest.raises(NotImplementedError):

@@ -154,6 +154,25 @@ def test_eos_rows_leave_while_the_cache_grows(model, tiny_growth):
         assert len(tiny_growth) >= 3
 
 
+def test_rows_that_left_early_are_handed_back_across_growths(model, tiny_growth):
+    """Handed back, rows that finish early keep their KV in the working buffers' end (views, no
+    copy) until the cache grows, which copies them: the returned cache is still stock's."""
+    ids, mask = ragged_prompts(batch=6, length=32, seed=9)
+    kwargs = dict(input_ids=ids, attention_mask=mask, max_new_tokens=40, do_sample=False, repetition_penalty=1.3,
+                  return_dict_in_generate=True)
+    plain = model.generate(**kwargs, eos_token_id=None).sequences
+    kwargs["eos_token_id"] = [int(plain[0, 32 + 6]), EOS]
+    reference = model.generate(**kwargs)
+    out = model.generate(**kwargs, speculative="magicdec", draft="streamingllm", gamma=3, **VIEWS["streamingllm"])
+    assert torch.equal(reference.sequences, out.sequences)
+    assert (out.sequences[:, -1] == reference.sequences[:, -1]).all() and len(tiny_growth) >= 3
+    ended = (reference.sequences[:, 32:-1] == kwargs["eos_token_id"][0]).any(dim=1)
+    assert ended.any() and not ended.all(), "test setup: EOS must end some rows, not all"
+    for a, b in zip(reference.past_key_values.layers, out.past_key_values.layers):
+        torch.testing.assert_close(b.keys, a.keys, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(b.values, a.values, atol=1e-4, rtol=1e-4)
+
+
 @pytest.mark.parametrize("view", ["full", "snapkv", "dynamic"])
 def test_draft_model_while_the_target_cache_grows(model, tiny_growth, view):
     """Only the target's full cache grows; the draft model's is prompt-sized (released, or read for

@@ -172,7 +172,7 @@ def committed_kv(cache: MagicDecCache, rows: torch.Tensor, finished: list, batch
     ``[0, filled[b])`` (zeros after).
 
     ``rows [k]`` are the original rows still in ``cache``; ``finished`` the ``(rows, lengths, kv)``
-    of rows that left it earlier (:meth:`MagicDecCache.export_rows`). ``cache``'s full KV is
+    of rows that left it earlier (:meth:`MagicDecCache.drop_rows`). ``cache``'s full KV is
     released layer by layer as it is copied, so the peak is one layer above the engine's cache.
     """
     device = cache.lengths.device

@@ -6,7 +6,7 @@ The loop (:mod:`hf_magicdec.engine.loop`) only ever talks to a :class:`Drafter`:
 * :meth:`~Drafter.round` at the start of each speculation step: a function ``step(i, tok [b, 1])
   -> logits [b, V]`` for draft steps ``i = 0 … γ-1``;
 * :meth:`~Drafter.commit` after verification, with the tokens each row kept;
-* :meth:`~Drafter.select_rows` when finished rows leave the working batch.
+* :meth:`~Drafter.drop_rows` when finished rows leave the working batch.
 
 **Self-drafting** (:class:`SelfDrafter`) runs the target on the draft views that live inside the
 target's own cache, so committing and compacting are the cache's business; its one extra duty is
@@ -26,6 +26,7 @@ query-aware view (``dynamic``), which re-selects prompt pages from it at every d
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any, Callable, Protocol
 
 import torch
@@ -70,8 +71,10 @@ class Drafter(Protocol):
     def commit(self, emitted: torch.Tensor, accepted: torch.Tensor, gamma: int) -> None:
         """After the target committed ``emitted [b]`` tokens per row (``accepted [b]`` of ``gamma`` drafts)."""
 
-    def select_rows(self, rows: torch.Tensor) -> None:
-        """Keep only these working rows (``[b']`` indices into the current working batch)."""
+    def drop_rows(self, finished: Sequence[bool], rows: torch.Tensor) -> None:
+        """The finished working rows leave: ``finished [n]`` on the host, ``rows [b']`` the kept
+        ones in their new order (as :meth:`~hf_magicdec.engine.cache.MagicDecCache.drop_rows`
+        moves a cache's rows for the same ``finished``)."""
 
 
 def twin_call(twin, compile_config) -> ModelCall | None:
@@ -137,7 +140,7 @@ class SelfDrafter:
         if self.refresher is not None and not self.stale:  # re-select a static view (engine/refresh.py)
             self.refreshes += self.refresher.after_commit(self.cache, emitted, accepted, gamma)
 
-    def select_rows(self, rows) -> None:
+    def drop_rows(self, finished, rows) -> None:
         pass  # the views live in the target cache, which the loop compacts (the refresher with it)
 
 
@@ -236,6 +239,6 @@ class ModelDrafter:
         self.cache.commit_scratch(src, count)
         self.refeed = emitted > gamma
 
-    def select_rows(self, rows) -> None:
-        self.cache.select_rows(rows)
+    def drop_rows(self, finished, rows) -> None:
+        self.cache.drop_rows(finished)
         self.refeed = self.refeed.index_select(0, rows.to(self.refeed.device))

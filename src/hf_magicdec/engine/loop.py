@@ -65,6 +65,7 @@ class _Read:
     context: int  # tokens of the unfinished rows, in all (a schedule chooses γ for their mean)
     drafted: int  # draft tokens drafted this step, all rows
     finished: torch.Tensor | None = None
+    finished_rows: tuple[bool, ...] = ()  # ``finished`` on the host
 
 
 class Engine:
@@ -98,6 +99,7 @@ class Engine:
         self._final: _Rows | None = None
         self._pad: torch.Tensor | None = None  # [B] left padding of every original row
         self._finished_kv: list = []  # (rows, lengths, kv) of rows that left the batch, kept for the hand-back
+        self._finished_copied = 0  # of those, the first this many no longer view the working cache
 
     def run(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
             position_ids: torch.Tensor | None, past: Continuation | None = None) -> torch.Tensor:
@@ -225,8 +227,8 @@ class Engine:
     def _read(self, finished: torch.Tensor, emitted: torch.Tensor | None, accepted: torch.Tensor | None,
               drafted: int) -> _Read:
         """The step's one device→host read: rows alive, the longest row and the longest alive row
-        once ``emitted`` is committed (None: nothing to commit), the accepted drafts and the alive
-        rows' tokens."""
+        once ``emitted`` is committed (None: nothing to commit), the accepted drafts, the alive
+        rows' tokens and which rows finished."""
         lengths = self.cache.lengths
         if emitted is not None:
             lengths = lengths + emitted.to(lengths.device)
@@ -234,7 +236,8 @@ class Engine:
         total = accepted.sum().to(lengths.device) if accepted is not None else lengths.new_zeros(())
         tokens = torch.where(alive, lengths - self.cache.pad, 0).sum()
         counts = torch.stack([alive.sum(), lengths.max(), torch.where(alive, lengths, 0).max(), total, tokens])
-        return _Read(*counts.tolist(), drafted=drafted, finished=finished)
+        values = torch.cat([counts, (~alive).long()]).tolist()
+        return _Read(*values[:5], drafted=drafted, finished=finished, finished_rows=tuple(map(bool, values[5:])))
 
     def _drop_finished(self, b: _Rows, last: _Read) -> None:
         """Finished rows leave the working batch at once, except under compiled steps: there they
@@ -244,19 +247,25 @@ class Engine:
         if alive == b.rows.shape[0] or (self.call.compiled is not None and 2 * alive > b.rows.shape[0]):
             b.dead = finished
             return
-        if self.past.outlives:  # their KV leaves the working cache now: keep it for the hand-back
-            gone = finished.nonzero().squeeze(1)
-            self._finished_kv.append((b.rows[gone], *self.cache.export_rows(gone)))
-        survivors = torch.argsort(finished.to(torch.int8), stable=True)[:alive]  # alive rows, in order; no sync
-        b.rows, b.dead = b.rows[survivors], b.dead.new_zeros(alive)
-        self.cache.select_rows(survivors, last.longest_alive)
-        self.drafter.select_rows(survivors)
+        # In place: finished rows among the first `alive` take alive rows from the end. Handed
+        # back, their KV stays where it is (swapped to the end) until the hand-back reads it.
+        order, gone = self.cache.drop_rows(last.finished_rows, last.longest_alive, keep_finished=self.past.outlives)
+        order = order.to(b.rows.device)
+        if gone is not None:
+            self._finished_kv.append((b.rows[order[alive:]], *gone))
+        b.rows, b.dead = b.rows[order[:alive]], b.dead.new_zeros(alive)
+        self.drafter.drop_rows(last.finished_rows, order[:alive])
 
     def _make_room(self, b: _Rows, gamma: int) -> torch.Tensor:
         """Grow the cache for this step (verify writes slots ``[C, C + γ + 1)`` and the next emission
         tokens up to ``C + γ + 1``; ``C`` mirrored on the host); returns the pending tokens ``[b]``."""
         if self.cache.reserve(self.cache.max_length() + gamma + 2):
             b.tokens.reserve(self.cache.capacity)
+            # Finished rows kept for the hand-back are views of the old buffers: copies of them
+            # let the old buffers go.
+            for _, _, kv in self._finished_kv[self._finished_copied:]:
+                kv[:] = [(k.clone(), v.clone()) for k, v in kv]
+            self._finished_copied = len(self._finished_kv)
         return b.tokens.tokens[b.rows, b.seq_len[b.rows] - 1]
 
     def _draft(self, b: _Rows, pending: torch.Tensor, gamma: int):
@@ -287,7 +296,7 @@ class Engine:
             return None
         kv, filled = committed_kv(self.cache, self._final.rows, self._finished_kv, sequences.shape[0],
                                   sequences.shape[1] - 1)
-        self._finished_kv = []
+        self._finished_kv, self._finished_copied = [], 0
         fill_tails(self.call.model, kv, filled, sequences, self._pad, self.lockstep)
         return kv
 

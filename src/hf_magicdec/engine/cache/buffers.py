@@ -6,6 +6,7 @@ The growth policy is module-level so that tests can force many growths.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import torch
 
@@ -36,6 +37,41 @@ def widened(buffer: torch.Tensor, capacity: int, filled: int) -> torch.Tensor:
     out[:, :, :filled] = buffer[:, :, :filled]
     out[:, :, filled:].zero_()
     return out
+
+
+def row_moves(finished: Sequence[bool]) -> tuple[list[int], list[int], list[int]]:
+    """How finished rows leave a batch of ``n`` rows in place: ``(order, holes, sources)``.
+
+    The ``kept`` alive rows end up in positions ``[0, kept)``: each finished row there (a hole)
+    takes the next alive row from ``[kept, n)`` (a source), so only as many rows move as finished
+    early, not every row after the first one that finished. Swapping the pairs puts every finished
+    row in ``[kept, n)``. ``order[i]`` is the row position ``i`` holds after the swaps; the first
+    ``kept`` are the alive rows (not in increasing order once a row has moved)."""
+    n = len(finished)
+    kept = n - sum(bool(f) for f in finished)
+    holes = [i for i in range(kept) if finished[i]]
+    sources = [j for j in range(kept, n) if not finished[j]]
+    order = list(range(n))
+    for hole, source in zip(holes, sources):
+        order[hole], order[source] = source, hole
+    return order, holes, sources
+
+
+def move_rows(buffer: torch.Tensor, holes: torch.Tensor, sources: torch.Tensor, filled: int | None,
+              swap: bool) -> None:
+    """In place, for ``buffer [B, H, S, D]``: rows ``sources [k]`` go to rows ``holes [k]``
+    (``swap``: and those rows' contents to ``sources``); slots ``[0, filled)`` only (None: all; the
+    rest of a moved row keeps the finite values it held, read masked).
+
+    Unlike a row selection with ``index_select`` (a second buffer of every kept row, beside the
+    first), the temporaries are the ``k`` moved rows: on a CPU, where a large new buffer is fresh
+    memory from the OS whose page faults cost more than the copy, the 8 x 4K rows of SmolLM2 spent
+    up to 4.6 s of a 15 s call selecting and exporting rows that way."""
+    region = buffer if filled is None else buffer[:, :, :filled]
+    arrived = region.index_select(0, sources)
+    if swap:
+        region.index_copy_(0, sources, region.index_select(0, holes))
+    region.index_copy_(0, holes, arrived)
 
 
 def gather_slots(source: torch.Tensor, slots: torch.Tensor, flat: torch.Tensor | None = None) -> torch.Tensor:

@@ -29,6 +29,7 @@ Nothing outside this package writes the cache's state.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -36,7 +37,7 @@ import torch
 from transformers.cache_utils import Cache
 
 from ...views import DraftView, ScoreContext
-from .buffers import grown_capacity, per_device
+from .buffers import grown_capacity, per_device, row_moves
 from .forwards import DraftForward, Forward, PrefillForward, VerifyForward
 from .geometry import DraftGeometry
 from .layers import MagicDecLayer
@@ -286,15 +287,6 @@ class MagicDecCache(Cache):
         cache.end_prefill(snapshot.prompt)
         return cache
 
-    def export_rows(self, rows: torch.Tensor) -> tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]:
-        """Copies of the committed KV of working rows ``rows [k]``: ``(lengths [k], per layer
-        (keys, values) [k, Hkv, max(lengths), D])``; slots past a row's length are not its KV."""
-        rows = rows.to(self._lengths.device)
-        lengths = self._lengths.index_select(0, rows)
-        filled = int(lengths.max()) if rows.numel() else 0
-        on = per_device(rows)
-        return lengths, [layer.export(on(layer.keys.device)[0], filled) for layer in self.layers]
-
     def release_full_kv(self) -> None:
         """Free the full cache once the draft views are built, for a draft model that only ever
         attends to its views (their rolling windows are fed by :meth:`commit_scratch`)."""
@@ -478,6 +470,50 @@ class MagicDecCache(Cache):
         for hook in self._hooks:
             hook.select_rows(rows)
         self._max_len = max_length if max_length is not None else self._read_max_length()
+
+    def drop_rows(self, finished: Sequence[bool], max_length: int | None = None, keep_finished: bool = False
+                  ) -> tuple[torch.Tensor, tuple[torch.Tensor, list] | None]:
+        """Finished rows leave the working batch in place: each finished row among the first
+        ``kept`` (alive) positions takes an alive row from the end (:func:`~.buffers.row_moves`),
+        so only as many rows move as finished early, and no new buffer holds the kept rows beside
+        the old ones (peak memory stays the cache's; :meth:`select_rows` allocates both).
+
+        Parameters
+        ----------
+        finished : ``[n]`` on the host, the working rows that finished.
+        max_length : the kept rows' longest length when the caller knows it (None: read here).
+        keep_finished : keep the finished rows' KV (a hand-back): they are swapped to the end of
+            the buffers, not overwritten.
+
+        Returns
+        -------
+        ``(order, gone)``: ``order [n]`` long on the cache's device, the row each position holds
+        afterwards; the working rows are now ``order[:kept]``, in that order (index per-row state
+        with it). ``gone``, with ``keep_finished``: ``(lengths [n - kept], per layer (keys, values)
+        [n - kept, Hkv, filled, D])`` of rows ``order[kept:]``, views of the buffers' end (the
+        memory they held; copy them before the cache grows, :meth:`reserve`); else None.
+        """
+        order, holes, sources = row_moves(finished)
+        kept = sum(not f for f in finished)
+        device = self._lengths.device
+        order = torch.tensor(order, dtype=torch.long, device=device)
+        gone_lengths = self._lengths.index_select(0, order[kept:]) if keep_finished else None
+        on = per_device(torch.tensor(holes, dtype=torch.long, device=device),
+                        torch.tensor(sources, dtype=torch.long, device=device))
+        gone = []
+        for layer in self.layers:
+            on_layer = on(layer.keys.device) if layer.is_initialized else on(device)
+            gone.append(layer.drop_rows(*on_layer, kept, self._max_len, keep_finished))
+            self._made(*layer.buffers())
+        rows = order[:kept]
+        self._pad = self._pad.index_select(0, rows)
+        self._lengths = self._lengths.index_select(0, rows)
+        if self._geometry is not None:
+            self._geometry.select_rows(rows)
+        for hook in self._hooks:
+            hook.select_rows(rows)
+        self._max_len = max_length if max_length is not None else self._read_max_length()
+        return order, ((gone_lengths, gone) if keep_finished else None)
 
     # Generic Cache API that would silently corrupt ragged state: refuse loudly.
     def crop(self, max_length: int):

@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from .buffers import copy_slots, flat_slots, gather_slots, scatter_slots, widened
+from .buffers import copy_slots, flat_slots, gather_slots, move_rows, scatter_slots, widened
 
 __all__ = ["DraftKV", "MagicDecLayer"]
 
@@ -88,6 +88,13 @@ class DraftKV:
 
     def select_rows(self, rows: torch.Tensor) -> None:
         self.keys, self.values = self.keys.index_select(0, rows), self.values.index_select(0, rows)
+
+    def drop_rows(self, holes: torch.Tensor, sources: torch.Tensor, kept: int) -> None:
+        """Rows ``sources`` into ``holes`` in place, then the first ``kept`` rows are the view's."""
+        for buffer in (self.keys, self.values):
+            if holes.numel():
+                move_rows(buffer, holes, sources, None, swap=False)
+        self.keys, self.values = self.keys[:kept], self.values[:kept]
 
     def buffers(self) -> tuple[torch.Tensor, torch.Tensor]:
         return self.keys, self.values
@@ -194,9 +201,23 @@ class MagicDecLayer(CacheLayerMixin):
         if self.draft is not None:
             self.draft.select_rows(rows)
 
-    def export(self, rows: torch.Tensor, filled: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Copies of slots ``[0, filled)`` of rows ``rows [k]``."""
-        return self.keys[:, :, :filled].index_select(0, rows), self.values[:, :, :filled].index_select(0, rows)
+    def drop_rows(self, holes: torch.Tensor, sources: torch.Tensor, kept: int, filled: int,
+                  keep_finished: bool) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Finished rows leave in place (:meth:`~hf_magicdec.engine.cache.MagicDecCache.drop_rows`):
+        rows ``sources`` into ``holes`` (slots ``[0, filled)`` of the full KV, the whole draft
+        view), then the first ``kept`` rows are the layer's. With ``keep_finished`` the holes'
+        rows go to ``sources`` and the rows from ``kept`` on are returned, slots ``[0, filled)``:
+        views of the buffers (no copy)."""
+        if not self.is_initialized:
+            return None
+        if holes.numel():
+            for buffer in (self.keys, self.values):
+                move_rows(buffer, holes, sources, filled, keep_finished)
+        gone = (self.keys[kept:, :, :filled], self.values[kept:, :, :filled]) if keep_finished else None
+        self.keys, self.values = self.keys[:kept], self.values[:kept]
+        if self.draft is not None:
+            self.draft.drop_rows(holes, sources, kept)
+        return gone
 
     def build_view(self, total: int, source: torch.Tensor | None) -> None:
         """A new draft view of ``total`` slots (:meth:`DraftKV.gathered`)."""
