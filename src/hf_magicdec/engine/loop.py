@@ -259,13 +259,15 @@ class Engine:
     def _make_room(self, b: _Rows, gamma: int) -> torch.Tensor:
         """Grow the cache for this step (verify writes slots ``[C, C + γ + 1)`` and the next emission
         tokens up to ``C + γ + 1``; ``C`` mirrored on the host); returns the pending tokens ``[b]``."""
-        if self.cache.reserve(self.cache.max_length() + gamma + 2):
-            b.tokens.reserve(self.cache.capacity)
-            # Finished rows kept for the hand-back are views of the old buffers: copies of them
-            # let the old buffers go.
+        needed = self.cache.max_length() + gamma + 2
+        if needed > self.cache.capacity:
+            # Finished rows kept for the hand-back are views of the buffers about to be replaced:
+            # copied first, each layer's old buffer goes as soon as its new one is filled.
             for _, _, kv in self._finished_kv[self._finished_copied:]:
                 kv[:] = [(k.clone(), v.clone()) for k, v in kv]
             self._finished_copied = len(self._finished_kv)
+        if self.cache.reserve(needed):
+            b.tokens.reserve(self.cache.capacity)
         return b.tokens.tokens[b.rows, b.seq_len[b.rows] - 1]
 
     def _draft(self, b: _Rows, pending: torch.Tensor, gamma: int):
