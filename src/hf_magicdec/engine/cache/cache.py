@@ -458,15 +458,19 @@ class MagicDecCache(Cache):
         """Keep only ``rows`` (``[B']`` indices), dropping finished rows from the working batch
         (``max_length``: the kept rows' longest length when the caller knows it; None: read here)."""
         rows = rows.to(self._lengths.device)
-        self._pad = self._pad.index_select(0, rows)
-        self._lengths = self._lengths.index_select(0, rows)
-        if self._geometry is not None:
-            self._geometry.select_rows(rows)
         on = per_device(rows)
         for layer in self.layers:
             if layer.is_initialized:
                 layer.select_rows(on(layer.keys.device)[0])
                 self._made(*layer.buffers())
+        self._keep_row_state(rows, max_length)
+
+    def _keep_row_state(self, rows: torch.Tensor, max_length: int | None) -> None:
+        """The per-row state beside the layers follows the rows kept (``rows [B']`` indices)."""
+        self._pad = self._pad.index_select(0, rows)
+        self._lengths = self._lengths.index_select(0, rows)
+        if self._geometry is not None:
+            self._geometry.select_rows(rows)
         for hook in self._hooks:
             hook.select_rows(rows)
         self._max_len = max_length if max_length is not None else self._read_max_length()
@@ -505,14 +509,7 @@ class MagicDecCache(Cache):
             on_layer = on(layer.keys.device) if layer.is_initialized else on(device)
             gone.append(layer.drop_rows(*on_layer, kept, self._max_len, keep_finished))
             self._made(*layer.buffers())
-        rows = order[:kept]
-        self._pad = self._pad.index_select(0, rows)
-        self._lengths = self._lengths.index_select(0, rows)
-        if self._geometry is not None:
-            self._geometry.select_rows(rows)
-        for hook in self._hooks:
-            hook.select_rows(rows)
-        self._max_len = max_length if max_length is not None else self._read_max_length()
+        self._keep_row_state(order[:kept], max_length)
         return order, ((gone_lengths, gone) if keep_finished else None)
 
     # Generic Cache API that would silently corrupt ragged state: refuse loudly.
