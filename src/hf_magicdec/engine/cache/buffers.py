@@ -66,7 +66,7 @@ def move_rows(buffer: torch.Tensor, holes: torch.Tensor, sources: torch.Tensor, 
     Unlike a row selection with ``index_select`` (a second buffer of every kept row, beside the
     first), the temporaries are the ``k`` moved rows: on a CPU, where a large new buffer is fresh
     memory from the OS whose page faults cost more than the copy, 8 x 4K rows of SmolLM2 spent
-    0.4-8.3 s of a 13-21 s call selecting and exporting rows that way (0.16-0.30 s moving them)."""
+    0.4-4.6 s of a 13-18 s call selecting and exporting rows that way (0.16-0.30 s moving them)."""
     region = buffer if filled is None else buffer[:, :, :filled]
     arrived = region.index_select(0, sources)
     if swap:
