@@ -216,26 +216,29 @@ def _magicdec_fields(rng, prompt_len: int, new_tokens: int) -> dict:
 
 
 def _valid(fields: dict) -> bool:
-    """What ``MagicDecConfig`` and the view accept (with γ = 1 standing in for ``"auto"``)."""
+    """What ``MagicDecConfig`` and the view accept (with γ = 1 standing in for ``"auto"``, and a
+    4,096-token budget for an ``"auto"`` budget with an explicit γ: the planner then chooses the
+    budget, but no budget makes a rolling window hold more than its explicit ``recent_window``)."""
     cfg = {k: v for k, v in fields.items() if k != "prefill_chunk_size"}
     try:
-        MagicDecConfig.from_any(**cfg)
-        if cfg.get("draft_budget", "auto") != "auto":
-            # An "auto" draft may fall back to another view (hf_magicdec.resolve.SELF_DRAFTS); with
-            # none that fits the explicit fields, generate refuses with a ValueError (tested apart).
-            drafts = [cfg["draft"]] if cfg.get("draft", "auto") != "auto" else ["snapkv", "streamingllm"]
-            gamma = 1 if cfg.get("gamma", "auto") == "auto" else cfg["gamma"]
-            for draft in drafts:
-                try:
-                    # replace() keeps the options this view has; a resolved config checks the view.
-                    MagicDecConfig.from_any(**cfg).replace(draft=draft, gamma=gamma)
-                    return True
-                except ValueError:
-                    pass
-            return False
+        config = MagicDecConfig.from_any(**cfg)
     except ValueError:
         return False
-    return True
+    budget, gamma = cfg.get("draft_budget", "auto"), cfg.get("gamma", "auto")
+    if budget == "auto" and gamma == "auto":
+        return True  # the planner picks γ too (smaller ones first where the options rule one out), or declines
+    # An "auto" draft may fall back to another view (its candidates, with the options each has);
+    # with none that fits the explicit fields, generate refuses with a ValueError (tested apart).
+    drafts = list(config.candidates) if config.draft == "auto" else [config.draft]
+    for draft in drafts:
+        try:
+            # A resolved config checks its view against the budget and γ.
+            config.replace(draft=draft, draft_budget=4096 if budget == "auto" else budget,
+                           gamma=1 if gamma == "auto" else gamma)
+            return True
+        except ValueError:
+            pass
+    return False
 
 
 def draw_case(seed: int, index: int) -> dict:
