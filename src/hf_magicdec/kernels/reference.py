@@ -41,17 +41,28 @@ def gqa_attention(
     """
     if softcap is not None or sinks is not None:
         return _explicit_attention(query, key, value, mask, scaling, softcap, sinks)
+    fold = _folds(query, key)
+    return _sdpa(query, key, value, _fold_mask(mask, query.shape[1] // key.shape[1]) if fold else mask, scaling, fold)
+
+
+def _folds(query: torch.Tensor, key: torch.Tensor) -> bool:
+    """Whether :func:`_sdpa` folds the query heads of a KV head into one block of query rows."""
+    group = query.shape[1] // key.shape[1]
+    return group > 1 and query.shape[2] <= _FOLD_MAX_QUERY
+
+
+def _sdpa(query, key, value, mask, scaling, fold: bool) -> torch.Tensor:
+    """SDPA without copying KV; ``mask`` already folded (:func:`_fold_mask`) when ``fold``."""
     batch, heads, q_len, head_dim = query.shape
     kv_heads = key.shape[1]
-    group = heads // kv_heads
-    if group == 1 or q_len > _FOLD_MAX_QUERY:
+    if not fold:
         out = F.scaled_dot_product_attention(
-            query, key, value, attn_mask=mask, scale=scaling, enable_gqa=group > 1
+            query, key, value, attn_mask=mask, scale=scaling, enable_gqa=heads > kv_heads
         )
         return out.transpose(1, 2).contiguous()
     # [B, Hkv*g, q, D] -> [B, Hkv, g*q, D]: query head h = kv*g + j serves KV head kv.
-    folded = query.reshape(batch, kv_heads, group * q_len, head_dim)
-    out = F.scaled_dot_product_attention(folded, key, value, attn_mask=_fold_mask(mask, group), scale=scaling)
+    folded = query.reshape(batch, kv_heads, heads // kv_heads * q_len, head_dim)
+    out = F.scaled_dot_product_attention(folded, key, value, attn_mask=mask, scale=scaling)
     return out.reshape(batch, heads, q_len, -1).transpose(1, 2).contiguous()
 
 
@@ -130,24 +141,43 @@ def segment_attention(
     """
     if page_size < 0:
         raise ValueError(f"page_size must be >= 0, got {page_size}.")
-    mask = segments.to(query.device).mask(query.shape[2], key.shape[2])
+    segments = segments.to(query.device)
+    q_len, kv_len = query.shape[2], key.shape[2]
+    group = query.shape[1] // key.shape[1]
+    if softcap is None and sinks is None and not page_size:
+        # The mask in the form SDPA takes as is (folded for GQA, additive: a bool mask is turned
+        # into one inside every call), built once per forward and shared by its layers.
+        fold = _folds(query, key)
+        mask = segments.derived(
+            ("sdpa", q_len, kv_len, group if fold else 1, query.dtype),
+            lambda: _additive(_fold_mask(segments.mask(q_len, kv_len), group if fold else 1), query.dtype),
+        )
+        return _sdpa(query, key, value, mask, scaling, fold)
     if not page_size:
-        return gqa_attention(query, key, value, mask, scaling, softcap, sinks)
-    batch, heads, q_len, _ = query.shape
-    probs = _probabilities(query, key, mask, scaling, softcap, sinks)  # [B, Hkv, g*q, L] fp32
-    out = torch.matmul(probs.to(value.dtype), value)  # [B, Hkv, g*q, Dv]
-    out = out.reshape(batch, heads, q_len, -1).transpose(1, 2).contiguous()
-    per_key = probs.sum(2)  # [B, Hkv, L]
-    pages = -(-per_key.shape[-1] // page_size)
-    per_key = F.pad(per_key, (0, pages * page_size - per_key.shape[-1]))
-    return out, per_key.view(batch, key.shape[1], pages, page_size).sum(-1)
+        return gqa_attention(query, key, value, segments.mask(q_len, kv_len), scaling, softcap, sinks)
+    hidden = segments.derived(("hidden", q_len, kv_len, group), lambda: ~_fold_mask(segments.mask(q_len, kv_len), group))
+    weights, inverse = _weights(query, key, hidden, scaling, softcap, sinks)  # [B, Hkv, g*q, L], [B, Hkv, g*q, 1]
+    # Normalised after the products, not before: the probabilities are weights * inverse, and
+    # scaling the [g*q, Dv] output and the [1, L] mass is cheaper than a pass over [g*q, L].
+    out = torch.matmul(weights.to(value.dtype), value).mul_(inverse.to(value.dtype))  # [B, Hkv, g*q, Dv]
+    out = out.reshape(query.shape[0], query.shape[1], q_len, -1).transpose(1, 2).contiguous()
+    per_key = torch.matmul(inverse.transpose(-1, -2), weights)[:, :, 0]  # [B, Hkv, L]: probabilities summed over g*q
+    pages = -(-kv_len // page_size)
+    per_key = F.pad(per_key, (0, pages * page_size - kv_len))
+    return out, per_key.view(query.shape[0], key.shape[1], pages, page_size).sum(-1)
 
 
-def _probabilities(query, key, mask, scaling, softcap, sinks) -> torch.Tensor:
-    """fp32 softmax probabilities ``[B, Hkv, g*q, L]`` of the folded queries (row ``j*q + i`` of
-    KV head ``kv`` is query head ``kv*g + j`` at position ``i``): scale, cap, mask, softmax with the
-    sink logit in the denominator. A row that sees no key (nor sink) gets zeros, not NaN. One
-    logits buffer, updated in place."""
+def _additive(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A bool mask (True = attend) as 0 / -inf in ``dtype``, as SDPA converts it."""
+    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
+
+
+def _weights(query, key, hidden, scaling, softcap, sinks) -> tuple[torch.Tensor, torch.Tensor]:
+    """Unnormalised fp32 softmax weights ``[B, Hkv, g*q, L]`` of the folded queries (row ``j*q + i``
+    of KV head ``kv`` is query head ``kv*g + j`` at position ``i``) and the inverse of each row's
+    denominator ``[B, Hkv, g*q, 1]``: scale, cap, hide (``hidden``: the folded mask, inverted),
+    exponentiate with the sink logit in the denominator. A row that sees no key (nor sink) gets
+    zeros, not NaN. One logits buffer, updated in place."""
     batch, heads, q_len, head_dim = query.shape
     kv_heads = key.shape[1]
     group = heads // kv_heads
@@ -155,18 +185,18 @@ def _probabilities(query, key, mask, scaling, softcap, sinks) -> torch.Tensor:
     logits = torch.matmul(folded, key.transpose(-1, -2)).float().mul_(scaling)
     if softcap is not None:
         logits = logits.div_(softcap).tanh_().mul_(softcap)
-    logits = logits.masked_fill_(~_fold_mask(mask, group), float("-inf"))
+    logits = logits.masked_fill_(hidden, float("-inf"))
     top = logits.amax(dim=-1, keepdim=True)
     if sinks is not None:
         sink = sinks.to(logits).reshape(1, kv_heads, group, 1, 1).expand(batch, -1, -1, q_len, 1)
         sink = sink.reshape(batch, kv_heads, group * q_len, 1)
         top = torch.maximum(top, sink)
     top = top.masked_fill_(top == float("-inf"), 0.0)
-    probs = logits.sub_(top).exp_()
-    denom = probs.sum(dim=-1, keepdim=True)
+    weights = logits.sub_(top).exp_()
+    denom = weights.sum(dim=-1, keepdim=True)
     if sinks is not None:
         denom = denom + torch.exp(sink - top)
-    return probs.div_(denom.masked_fill_(denom == 0.0, 1.0))
+    return weights, denom.masked_fill_(denom == 0.0, 1.0).reciprocal_()
 
 
 def snapkv_mass(

@@ -39,6 +39,7 @@ class Segments:
     hi2: torch.Tensor
     # Masks built by the PyTorch twin, per (q, kv_len): every layer of one forward shares them.
     _masks: dict = field(default_factory=dict, compare=False, repr=False)
+    _derived: dict = field(default_factory=dict, compare=False, repr=False)
 
     @classmethod
     def causal(cls, start: torch.Tensor, end: torch.Tensor) -> "Segments":
@@ -79,3 +80,11 @@ class Segments:
         second = (j >= self.lo2[:, None, None]) & (j < self.hi2[:, None, None] - shift)
         mask = self._masks[(q_len, kv_len)] = (first | second)[:, None]
         return mask
+
+    def derived(self, key: tuple, build) -> torch.Tensor:
+        """A tensor made from this forward's masks by ``build()`` (a twin's folded or additive form),
+        built once per ``key`` and shared by every layer of the forward, like :meth:`mask`."""
+        hit = self._derived.get(key)
+        if hit is None:
+            hit = self._derived[key] = build()
+        return hit
