@@ -150,15 +150,16 @@ def test_snapkv_view_selects_top_scored_tokens_without_duplicates():
                 assert set(range(16, 20)) <= set(slots)
 
 
-def test_select_rows_keeps_state_aligned():
+def test_dropped_rows_keep_state_aligned():
     cache = _prefilled()
     config = MagicDecConfig.from_any(draft="streamingllm", draft_budget=10, sink_tokens=3, gamma=2)
     cache.build_draft_views(config.view, config.draft_budget, config.gamma, 20, max_new_tokens=8)
-    before = cache.layers[0].keys[2].clone()
-    cache.select_rows(torch.tensor([2, 0]))
-    assert cache.num_rows == 2 and cache.pad.tolist() == [12, 0]
-    assert torch.equal(cache.layers[0].keys[0], before)
-    assert cache.draft_valid().shape == (2, 10)
+    before, view = cache.layers[0].keys[2].clone(), cache.layers[0].draft.keys[2].clone()
+    valid = cache.draft_valid()[2].clone()
+    order, _ = cache.drop_rows((False, True, False))  # row 2 takes row 1's place
+    assert order.tolist()[:2] == [0, 2] and cache.num_rows == 2 and cache.pad.tolist() == [0, 12]
+    assert torch.equal(cache.layers[0].keys[1], before) and torch.equal(cache.layers[0].draft.keys[1], view)
+    assert cache.draft_valid().shape == (2, 10) and torch.equal(cache.draft_valid()[1], valid)
 
 
 @pytest.mark.parametrize("finished, order", [

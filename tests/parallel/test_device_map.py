@@ -105,7 +105,7 @@ def _copies_per_step(meta_layers: int) -> int:
                 keys = torch.randn(batch, heads, tokens, dim, device=device)
                 layer.update(keys, keys.clone())
         cache.commit(torch.tensor([1, 3]))
-        cache.select_rows(torch.tensor([1]))
+        cache.drop_rows((True, False))
     return counter.count
 
 

@@ -454,17 +454,6 @@ class MagicDecCache(Cache):
             layer.draft.append(*source, s, d)
         self._geometry.advance(count)
 
-    def select_rows(self, rows: torch.Tensor, max_length: int | None = None) -> None:
-        """Keep only ``rows`` (``[B']`` indices), dropping finished rows from the working batch
-        (``max_length``: the kept rows' longest length when the caller knows it; None: read here)."""
-        rows = rows.to(self._lengths.device)
-        on = per_device(rows)
-        for layer in self.layers:
-            if layer.is_initialized:
-                layer.select_rows(on(layer.keys.device)[0])
-                self._made(*layer.buffers())
-        self._keep_row_state(rows, max_length)
-
     def _keep_row_state(self, rows: torch.Tensor, max_length: int | None) -> None:
         """The per-row state beside the layers follows the rows kept (``rows [B']`` indices)."""
         self._pad = self._pad.index_select(0, rows)
@@ -480,7 +469,7 @@ class MagicDecCache(Cache):
         """Finished rows leave the working batch in place: each finished row among the first
         ``kept`` (alive) positions takes an alive row from the end (:func:`~.buffers.row_moves`),
         so only as many rows move as finished early, and no new buffer holds the kept rows beside
-        the old ones (peak memory stays the cache's; :meth:`select_rows` allocates both).
+        the old ones (peak memory stays the cache's).
 
         Parameters
         ----------

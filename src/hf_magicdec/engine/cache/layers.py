@@ -86,9 +86,6 @@ class DraftKV:
         for source, dest in ((full_keys, self.keys), (full_values, self.values)):
             scatter_slots(dest, target, gather_slots(source, slots, src), dst)
 
-    def select_rows(self, rows: torch.Tensor) -> None:
-        self.keys, self.values = self.keys.index_select(0, rows), self.values.index_select(0, rows)
-
     def drop_rows(self, holes: torch.Tensor, sources: torch.Tensor, kept: int) -> None:
         """Rows ``sources`` into ``holes`` in place, then the first ``kept`` rows are the view's."""
         for buffer in (self.keys, self.values):
@@ -193,13 +190,6 @@ class MagicDecLayer(CacheLayerMixin):
         """Move into ``capacity`` slots per row, keeping ``[0, filled)`` (an empty layer stays empty)."""
         if self.is_initialized and self.keys.shape[2]:
             self.keys, self.values = widened(self.keys, capacity, filled), widened(self.values, capacity, filled)
-
-    def select_rows(self, rows: torch.Tensor) -> None:
-        if not self.is_initialized:
-            return
-        self.keys, self.values = self.keys.index_select(0, rows), self.values.index_select(0, rows)
-        if self.draft is not None:
-            self.draft.select_rows(rows)
 
     def drop_rows(self, holes: torch.Tensor, sources: torch.Tensor, kept: int, filled: int,
                   keep_finished: bool) -> tuple[torch.Tensor, torch.Tensor] | None:
