@@ -32,6 +32,7 @@ def test_every_layer_of_a_forward_shares_one_sdpa_mask_and_gets_the_bool_masks_o
         for q, out in ((query, first), (query * 0.5, again)):
             assert torch.equal(out, reference.gqa_attention(q, key, value, segments.mask(q_len, 90), 0.2))
 
+
 def test_the_mass_path_shares_its_mask_and_normalises_after_the_products():
     query, key, value, segments = _inputs(3, 6, 2, 4, 90)
     out, mass = reference.segment_attention(query, key, value, segments, 0.2, page_size=16)
