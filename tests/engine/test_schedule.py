@@ -226,51 +226,6 @@ def test_a_schedule_measures_the_acceptance_a_low_prior_would_not_try():
     assert all(g > 0 for g in gammas), gammas
 
 
-def _timed(controller, model, slowdown: float, steps: int = 16) -> list[int]:
-    """γs of a schedule fed plain steps that take what the model predicts and speculative steps
-    ``slowdown`` times that, accepting 90 % of the drafts."""
-    gammas = [controller.update(0, 0, batch=8, context=100)]
-    for _ in range(steps):
-        gamma = gammas[-1]
-        tt, draft, verify = model.ratios(8, 100)
-        seconds = tt if not gamma else slowdown * tt * (gamma * draft + verify[gamma])
-        drafted = 8 * gamma
-        gammas.append(controller.update(round(0.9 * drafted), drafted, batch=8, context=100, seconds=seconds))
-    return gammas
-
-
-def test_a_schedule_checks_the_cost_model_against_the_step_times():
-    """Given the steps' wall times, a schedule first times plain steps (the first a warm-up), then
-    speculates; where speculative steps cost what the model says it stays on, where they cost 3x
-    (a cost model that is wrong for this machine or workload) it turns off within a few steps."""
-    model = _BreakEven(at=0, draft=0.2)  # about 1.9x predicted at α = 0.9
-    right = GammaController(3, 8, 0.9, step_model=model, allow_off=True, measure_costs=True)
-    gammas = _timed(right, model, slowdown=1.0)
-    assert gammas[:3] == [0, 0, 0] and all(g > 0 for g in gammas[3:]), gammas
-    assert right.cost_factor == pytest.approx(1.0)
-    wrong = GammaController(3, 8, 0.9, step_model=model, allow_off=True, measure_costs=True)
-    gammas = _timed(wrong, model, slowdown=3.0)
-    assert gammas[:3] == [0, 0, 0] and gammas[3] > 0, gammas
-    assert gammas[-4:] == [0] * 4 and wrong.cost_factor < 0.5, (gammas, wrong.cost_factor)
-    # Without step times (or without measure_costs) the model alone decides, as before.
-    blind = GammaController(3, 8, 0.9, step_model=model, allow_off=True)
-    assert all(g > 0 for g in _timed(blind, model, slowdown=3.0)) and blind.cost_factor == 1.0
-
-
-@pytest.mark.parametrize("sampling", [False, True])
-def test_only_greedy_schedules_follow_their_step_times(sampling):
-    """A sampled call's γs must not depend on timing (a seed reproduces it); a greedy call's tokens
-    never depend on γ, so its schedule may follow the measured step costs."""
-    from hf_magicdec.api import _gamma_policy
-    from hf_magicdec.parallel.lockstep import LOCAL
-    from hf_magicdec.resolve import Resolution
-
-    config = MagicDecConfig.from_any(draft="streamingllm", draft_budget=64, gamma=3, adaptive_gamma=True)
-    resolution = Resolution(config, step_model=_BreakEven(at=0), schedule=True)
-    policy, _ = _gamma_policy(config, 100, 200, LOCAL, resolution, sampling=sampling)
-    assert policy.controller.measure_costs is (not sampling)
-
-
 SMOLLM2_135M = dict(model_type="llama", num_hidden_layers=30, hidden_size=576, num_attention_heads=9,
                     num_key_value_heads=3, head_dim=64, intermediate_size=1536, vocab_size=49152,
                     tie_word_embeddings=True, torch_dtype="float32")

@@ -18,16 +18,6 @@ PRIOR_WEIGHT = 32
 #: nothing accepted then says off too.
 PROBE_ALPHA = 0.95
 PROBE_TOKENS = 4 * PRIOR_WEIGHT
-#: A schedule that is given the steps' wall times checks the cost model against them: its first
-#: PLAIN_PROBE_STEPS steps decode plainly (the first of each kind is a warm-up, not counted), and
-#: from then on a speculative step's predicted cost is scaled by what this call measured, (plain
-#: measured / predicted) / (speculative measured / predicted), blended in with COST_PRIOR_STEPS
-#: speculative steps' worth of confidence in the model. Where the model's step ratios are off for
-#: this machine and workload (an uncalibrated device, logits processors priced at every verified
-#: position: SmolLM2-135M, batch 2, repetition penalty and n-gram blocking decoded 0.79x the static
-#: cache on 2 CPU cores with γ 1-2 kept on), speculation then turns off where it does not pay.
-PLAIN_PROBE_STEPS = 3
-COST_PRIOR_STEPS = 2
 
 
 class GammaController:
@@ -54,15 +44,11 @@ class GammaController:
         γ may be 0 (plain decoding on MagicDec's cache) where speculation does not pay, switching
         with hysteresis (:data:`.schedule.SWITCH_MARGIN`). Until the observed acceptance outweighs
         the prior, a schedule probes (:data:`PROBE_TOKENS`).
-    measure_costs : bool
-        With ``step_model`` and ``allow_off``: :meth:`update` is given each step's wall time, and
-        the switch between plain and speculative steps follows the measured costs
-        (:data:`PLAIN_PROBE_STEPS`, :attr:`cost_factor`).
     """
 
     def __init__(self, gamma: int, max_gamma: int, alpha: float, draft_ratio: float | None = None,
                  verify_ratio: dict[int, float] | None = None, *, step_model: StepModel | None = None,
-                 allow_off: bool = False, measure_costs: bool = False):
+                 allow_off: bool = False):
         if step_model is None and (draft_ratio is None or verify_ratio is None):
             raise ValueError("GammaController needs draft_ratio and verify_ratio, or a step_model.")
         self.gamma = min(gamma, max_gamma)
@@ -74,69 +60,24 @@ class GammaController:
         self.allow_off = allow_off
         self.accepted = 0
         self.drafted = 0
-        self.measure_costs = measure_costs and step_model is not None and allow_off
-        # Plain (False) and speculative (True) steps: steps seen, and of those after the first,
-        # [measured seconds, predicted seconds, steps].
-        self._seen = {False: 0, True: 0}
-        self._times = {False: [0.0, 0.0, 0], True: [0.0, 0.0, 0]}
-        self._at: tuple[int, int] | None = None  # (batch, context) the last γ was chosen for
 
     @property
     def alpha(self) -> float:
         return (self.accepted + PRIOR_WEIGHT * self.prior) / (self.drafted + PRIOR_WEIGHT)
 
-    @property
-    def cost_factor(self) -> float:
-        """How much cheaper speculation is against plain decoding than the cost model says, from
-        this call's step times (1.0 until both kinds of step were measured): (plain measured /
-        predicted) / (speculative measured / predicted), shrunk towards 1 by
-        :data:`COST_PRIOR_STEPS`."""
-        (plain, plain_model, _), (spec, spec_model, n) = self._times[False], self._times[True]
-        if not (plain > 0 and spec > 0 and plain_model > 0 and spec_model > 0):
-            return 1.0
-        return ((plain / plain_model) / (spec / spec_model)) ** (n / (n + COST_PRIOR_STEPS))
-
-    def _record(self, seconds: float) -> None:
-        """The step just run (at ``self.gamma``, chosen for ``self._at``) took ``seconds``."""
-        if self._at is None:
-            return
-        step_model, gamma = self.step_model, self.gamma
-        tt, draft_ratio, verify_ratio = step_model.ratios(*self._at)
-        if gamma and gamma not in verify_ratio:
-            return
-        predicted = tt if not gamma else tt * (gamma * draft_ratio + verify_ratio[gamma])
-        kind = gamma > 0
-        self._seen[kind] += 1
-        if self._seen[kind] > 1:  # the first step of each kind pays one-time costs
-            times = self._times[kind]
-            times[0] += seconds
-            times[1] += predicted
-            times[2] += 1
-
-    def update(self, accepted: int, drafted: int, batch: int | None = None, context: int | None = None,
-               seconds: float | None = None) -> int:
+    def update(self, accepted: int, drafted: int, batch: int | None = None, context: int | None = None) -> int:
         """Add one step's pooled counts; returns the γ for the next step (at ``batch`` live rows and
-        ``context`` tokens per row, for a step model; ignored with fixed ratios). ``seconds``: the
-        step's wall time, used with ``measure_costs`` (None: the call before the first step)."""
+        ``context`` tokens per row, for a step model; ignored with fixed ratios)."""
         self.accepted += accepted
         self.drafted += drafted
-        if self.measure_costs and seconds is not None:
-            self._record(seconds)
         if not drafted and not self.allow_off:
             return self.gamma  # no new evidence (the call before the first step): keep the starting γ
         if self.step_model is not None and batch:
-            self._at = (batch, max(int(context or 1), 1))
-            _, draft_ratio, verify_ratio = self.step_model.ratios(*self._at)
+            _, draft_ratio, verify_ratio = self.step_model.ratios(batch, max(int(context or 1), 1))
         elif self.step_model is not None:
             return self.gamma  # nothing alive here: keep γ (an idle rank follows the others' counts)
         else:
             draft_ratio, verify_ratio = self.draft_ratio, self.verify_ratio
-        if self.measure_costs:
-            if self._seen[False] < PLAIN_PROBE_STEPS:  # time plain steps first
-                self.gamma = 0
-                return 0
-            factor = self.cost_factor
-            draft_ratio, verify_ratio = draft_ratio / factor, {g: v / factor for g, v in verify_ratio.items()}
         verify_ratio = {g: v for g, v in verify_ratio.items() if g <= self.max_gamma}
         gamma, _ = best_gamma(self.alpha, draft_ratio, verify_ratio, self.allow_off, self.gamma)
         if gamma == 0 and self.allow_off and self.drafted < PROBE_TOKENS:  # probe: 0 where that does not pay
