@@ -54,6 +54,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import torch  # noqa: E402
 
 import hf_magicdec  # noqa: E402  (installs the speculative= routing)
+from hf_magicdec_bench import data  # noqa: E402
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 #: mantissa bits (explicit) of each dtype: ulp(x) = 2 ** (floor(log2 |x|) - bits)
@@ -183,15 +184,7 @@ def prompt_lengths(batch: int, min_len: int, max_len: int) -> list[int]:
     return [max_len - round(i * (max_len - min_len) / (batch - 1)) for i in range(batch)]
 
 
-def ragged(rows: list[torch.Tensor], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Left-pad 1-D prompts into ``input_ids`` and ``attention_mask``."""
-    width = max(len(r) for r in rows)
-    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(rows), width), dtype=torch.long)
-    for i, r in enumerate(rows):
-        ids[i, width - len(r):] = r
-        mask[i, width - len(r):] = 1
-    return ids, mask
+ragged = data.left_padded  # left-pad 1-D prompts into ``input_ids`` and ``attention_mask``
 
 
 def parse_view(spec: str, gamma: int) -> tuple[str, dict]:
@@ -388,7 +381,7 @@ def main(argv: list[str] | None = None) -> int:
         def model_for(dtype):
             return copy.deepcopy(base).to(DTYPES[dtype])
     else:
-        from hf_magicdec_bench import data, models
+        from hf_magicdec_bench import models
 
         model_name = args.model
         _, tokenizer = models.load(args.model, progress=False)

@@ -55,18 +55,10 @@ CASES = {
 def ragged_batch(tokenizer, lengths: list[int], chat: bool) -> tuple[torch.Tensor, torch.Tensor, int]:
     """Left-padded ``[B, max(lengths)]`` prompts (row ``i`` a different passage of ``lengths[i]``
     tokens), their attention mask and the pad token."""
-    rows = []
-    for i, n in enumerate(lengths):
-        make = data.chat_prompt_batch if chat else data.prompt_batch
-        rows.append(make(tokenizer, 1, n, skip_tokens=8000 + 977 * i)[0])
-    width = max(lengths)
+    make = data.chat_prompt_batch if chat else data.prompt_batch
+    rows = [make(tokenizer, 1, n, skip_tokens=8000 + 977 * i)[0] for i, n in enumerate(lengths)]
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    ids = torch.full((len(rows), width), pad, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for i, row in enumerate(rows):
-        ids[i, width - len(row):] = row
-        mask[i, width - len(row):] = 1
-    return ids, mask, pad
+    return (*data.left_padded(rows, pad), pad)
 
 
 def run_case(model, tokenizer, name: str, case: dict, scale: float = 1.0) -> dict:

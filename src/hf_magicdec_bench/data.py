@@ -29,7 +29,7 @@ from typing import Any, Callable, Iterable, Sequence
 
 import torch
 
-__all__ = ["long_texts", "text_dataset", "prompt_batch", "SOURCES"]
+__all__ = ["long_texts", "text_dataset", "prompt_batch", "left_padded", "SOURCES"]
 
 logger = logging.getLogger("hf_magicdec")
 
@@ -336,6 +336,18 @@ def chat_prompt_batch(tokenizer: Any, batch_size: int, prompt_len: int, *, sourc
     passages = prompt_batch(tokenizer, batch_size, room, source=source, skip_tokens=skip_tokens, bos=False)
     expand = lambda ids: torch.tensor(ids, dtype=torch.long).expand(batch_size, -1)  # noqa: E731
     return torch.cat([expand(before_ids), passages, expand(after_ids)], dim=1)
+
+
+def left_padded(rows: Sequence[torch.Tensor], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """1-D prompts of different lengths as a left-padded batch: ``(input_ids, attention_mask)``,
+    both ``[len(rows), max length]``."""
+    width = max(len(r) for r in rows)
+    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, r in enumerate(rows):
+        ids[i, width - len(r):] = r
+        mask[i, width - len(r):] = 1
+    return ids, mask
 
 
 def prompt_batch(
