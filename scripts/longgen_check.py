@@ -86,7 +86,8 @@ def run_case(model, tokenizer, name: str, case: dict, scale: float = 1.0) -> dic
     spec = out.speculation
     return dict(case=name, identical=same, shape=list(ref.shape), magicdec_shape=list(seq.shape),
                 new_tokens=new, static_s=round(static_s, 2), magicdec_s=round(magicdec_s, 2),
-                acceptance=round(spec.acceptance_rate, 3), steps=spec.steps, first_diff=first_diff)
+                acceptance=round(spec.acceptance_rate, 3), steps=spec.steps, first_diff=first_diff,
+                schedule=[list(run) for run in spec.schedule()])
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -209,7 +209,8 @@ def _speculate(call: _Call, resolution: Resolution, draft_model):
     gen = call.gen
     batch, prompt = call.input_ids.shape
     config = _bounded(resolution.config, prompt, _new_tokens(call))
-    gamma, scratch = _gamma_policy(config, prompt, _new_tokens(call), call.lockstep, resolution)
+    gamma, scratch = _gamma_policy(config, prompt, _new_tokens(call), call.lockstep, resolution,
+                                   sampling=bool(gen.do_sample))
     chunk = gen.prefill_chunk_size or config.prefill_chunk_size
     target = ModelCall.of(call.model, call.compile_config)
     twin = _twin(call.model, config.draft_weights)
@@ -287,10 +288,13 @@ def _outputs(call: _Call, engine: Engine, sequences, stats: SpeculationStats, sc
     )
 
 
-def _gamma_policy(config: MagicDecConfig, prompt: int, max_new: int, lockstep, resolution: Resolution):
+def _gamma_policy(config: MagicDecConfig, prompt: int, max_new: int, lockstep, resolution: Resolution,
+                  sampling: bool = False):
     """``(γ policy, draft scratch slots)``: fixed γ, or adaptive γ between 1 (0 for a schedule: plain
     decoding while speculation does not pay) and the largest γ whose γ + 1 committed tokens fit in
-    the view's rolling window (and ``max_gamma``)."""
+    the view's rolling window (and ``max_gamma``). A greedy schedule also checks the cost model
+    against its steps' wall times; a sampled one does not, so that its γs, and with them the
+    random draws, do not depend on timing: a seed reproduces the call."""
     if not config.adaptive:
         return FixedGamma(config.gamma), config.gamma
     window = config.view.window_slots(config.draft_budget, config.gamma, prompt, max_new)
@@ -298,5 +302,5 @@ def _gamma_policy(config: MagicDecConfig, prompt: int, max_new: int, lockstep, r
     plan = resolution.plan
     prior = plan.acceptance if plan is not None and plan.acceptance else 0.8
     controller = GammaController(config.gamma, scratch, prior, step_model=resolution.step_model,
-                                 allow_off=resolution.schedule)
+                                 allow_off=resolution.schedule, measure_costs=not sampling)
     return AdaptiveGamma(controller, lockstep), scratch

@@ -16,7 +16,7 @@ from conftest import make_model, ragged_prompts
 from hf_magicdec import MagicDecConfig, MagicDecWarning
 from hf_magicdec.engine.cache import MagicDecCache
 from hf_magicdec.planner import ModelSpec, get_hardware, search_plan
-from hf_magicdec.planner.gamma import GammaController
+from hf_magicdec.planner.gamma import REPROBE_AFTER, REPROBE_STEPS, GammaController
 from hf_magicdec.planner.schedule import SWITCH_MARGIN, StepModel, best_gamma
 from hf_magicdec.views import get_view
 
@@ -202,7 +202,7 @@ def test_a_call_with_the_defaults_does_not_warn_on_plain_steps(monkeypatch):
 def test_a_schedule_measures_the_acceptance_a_low_prior_would_not_try():
     """A prior that keeps speculation off (α = 0.3 here) does not decide alone: the schedule
     probes, the observed acceptance (0.95) takes over, and speculation stays on; a probe that
-    accepts nothing turns it off again at once and it stays off."""
+    accepts nothing turns it off again at once and it stays off (until a re-probe, below)."""
     model = _BreakEven(at=0, draft=0.5)  # pays at α = 0.95 (about 1.4x at γ = 3), not at α = 0.3
     assert best_gamma(0.3, 0.5, model.ratios(8, 100)[2], allow_off=True, current=3)[0] == 0
     good = GammaController(3, 8, 0.3, step_model=model, allow_off=True)
@@ -214,9 +214,9 @@ def test_a_schedule_measures_the_acceptance_a_low_prior_would_not_try():
     assert good.drafted > 4 * 32 and good.alpha > 0.85  # the evidence outweighs the prior
     bad = GammaController(3, 8, 0.3, step_model=model, allow_off=True)
     gammas = [bad.update(0, 0, batch=8, context=100)]
-    for _ in range(20):
+    for _ in range(REPROBE_AFTER):
         gammas.append(bad.update(0, 8 * gammas[-1], batch=8, context=100))
-    assert gammas[0] > 0 and gammas[1:] == [0] * 20, gammas  # one probing step, then plain decoding
+    assert gammas[0] > 0 and gammas[1:] == [0] * REPROBE_AFTER, gammas  # one probing step, then plain
     # One unlucky first step (8 of 16 drafted: alone, off here) does not end a probe that then accepts 0.95.
     unlucky = GammaController(2, 8, 0.3, step_model=model, allow_off=True)
     gammas = [unlucky.update(0, 0, batch=8, context=100), unlucky.update(8, 16, batch=8, context=100)]
@@ -224,6 +224,94 @@ def test_a_schedule_measures_the_acceptance_a_low_prior_would_not_try():
         drafted = 8 * gammas[-1]
         gammas.append(unlucky.update(round(0.95 * drafted), drafted, batch=8, context=100))
     assert all(g > 0 for g in gammas), gammas
+
+
+def _runs(gammas: list[int]) -> list[tuple[bool, int]]:
+    """``[(speculating, steps), ...]``: the runs of plain and speculative steps."""
+    runs: list[list] = []
+    for g in gammas:
+        if runs and runs[-1][0] == (g > 0):
+            runs[-1][1] += 1
+        else:
+            runs.append([g > 0, 1])
+    return [tuple(r) for r in runs]
+
+
+def _fed(controller, acceptance, steps: int, context=lambda step: 100) -> list[int]:
+    """γs of a schedule fed ``steps`` steps whose drafts are accepted at ``acceptance(step)``."""
+    gammas = [controller.update(0, 0, batch=8, context=context(0))]
+    for step in range(steps):
+        drafted = 8 * gammas[-1]
+        accepted = round(acceptance(step) * drafted)
+        gammas.append(controller.update(accepted, drafted, batch=8, context=context(step + 1)))
+    return gammas
+
+
+def test_a_schedule_re_probes_evidence_that_may_have_gone_stale():
+    """Off on evidence is not off for good: nothing is measured while γ = 0, and acceptance changes
+    along a generation. After REPROBE_AFTER plain steps the schedule speculates for REPROBE_STEPS
+    steps; each re-probe that ends off doubles the wait, so where off is right they cost little,
+    and where the acceptance has recovered the call speculates again. Off because the context is
+    still short (the model would not speculate even at a high acceptance) is never re-probed."""
+    model = _BreakEven(at=0, draft=0.5)  # pays at α = 0.95, not at α = 0.3
+    never = GammaController(3, 8, 0.3, step_model=model, allow_off=True)
+    runs = _runs(_fed(never, lambda step: 0.0, 400))
+    plain = [n for on, n in runs if not on]
+    assert plain[:4] == [REPROBE_AFTER, 2 * REPROBE_AFTER, 4 * REPROBE_AFTER, 8 * REPROBE_AFTER], runs
+    assert [n for on, n in runs if on][1:] == [REPROBE_STEPS] * (len(runs) // 2 - 1), runs
+    assert sum(n for on, n in runs if on) <= 1 + 4 * REPROBE_STEPS  # about 4 % of 400 steps
+    # Hesitant first (0.3 accepted), then 0.98: speculation resumes within a few re-probes.
+    recovers = GammaController(3, 8, 0.9, step_model=model, allow_off=True)
+    gammas = _fed(recovers, lambda step: 0.3 if step < 60 else 0.98, 300)
+    assert 0 in gammas[:60] and all(g > 0 for g in gammas[-100:]), _runs(gammas)
+    # The context is short of break-even throughout: plain, no re-probe.
+    short = GammaController(3, 8, 0.9, step_model=_BreakEven(at=10_000), allow_off=True)
+    assert set(_fed(short, lambda step: 0.98, 200)) == {0}
+
+
+def _timed(controller, model, slowdown: float, steps: int = 16) -> list[int]:
+    """γs of a schedule fed plain steps that take what the model predicts and speculative steps
+    ``slowdown`` times that, accepting 90 % of the drafts."""
+    gammas = [controller.update(0, 0, batch=8, context=100)]
+    for _ in range(steps):
+        gamma = gammas[-1]
+        tt, draft, verify = model.ratios(8, 100)
+        seconds = tt if not gamma else slowdown * tt * (gamma * draft + verify[gamma])
+        drafted = 8 * gamma
+        gammas.append(controller.update(round(0.9 * drafted), drafted, batch=8, context=100, seconds=seconds))
+    return gammas
+
+
+def test_a_schedule_checks_the_cost_model_against_the_step_times():
+    """Given the steps' wall times, a schedule first times plain steps (the first a warm-up), then
+    speculates; where speculative steps cost what the model says it stays on, where they cost 3x
+    (a cost model that is wrong for this machine or workload) it turns off within a few steps."""
+    model = _BreakEven(at=0, draft=0.2)  # about 1.9x predicted at α = 0.9
+    right = GammaController(3, 8, 0.9, step_model=model, allow_off=True, measure_costs=True)
+    gammas = _timed(right, model, slowdown=1.0)
+    assert gammas[:3] == [0, 0, 0] and all(g > 0 for g in gammas[3:]), gammas
+    assert right.cost_factor == pytest.approx(1.0)
+    wrong = GammaController(3, 8, 0.9, step_model=model, allow_off=True, measure_costs=True)
+    gammas = _timed(wrong, model, slowdown=3.0)
+    assert gammas[:3] == [0, 0, 0] and gammas[3] > 0, gammas
+    assert gammas[-4:] == [0] * 4 and wrong.cost_factor < 0.5, (gammas, wrong.cost_factor)
+    # Without step times (or without measure_costs) the model alone decides, as before.
+    blind = GammaController(3, 8, 0.9, step_model=model, allow_off=True)
+    assert all(g > 0 for g in _timed(blind, model, slowdown=3.0)) and blind.cost_factor == 1.0
+
+
+@pytest.mark.parametrize("sampling", [False, True])
+def test_only_greedy_schedules_follow_their_step_times(sampling):
+    """A sampled call's γs must not depend on timing (a seed reproduces it); a greedy call's tokens
+    never depend on γ, so its schedule may follow the measured step costs."""
+    from hf_magicdec.api import _gamma_policy
+    from hf_magicdec.parallel.lockstep import LOCAL
+    from hf_magicdec.resolve import Resolution
+
+    config = MagicDecConfig.from_any(draft="streamingllm", draft_budget=64, gamma=3, adaptive_gamma=True)
+    resolution = Resolution(config, step_model=_BreakEven(at=0), schedule=True)
+    policy, _ = _gamma_policy(config, 100, 200, LOCAL, resolution, sampling=sampling)
+    assert policy.controller.measure_costs is (not sampling)
 
 
 SMOLLM2_135M = dict(model_type="llama", num_hidden_layers=30, hidden_size=576, num_attention_heads=9,

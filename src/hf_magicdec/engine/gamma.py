@@ -20,7 +20,8 @@ class FixedGamma:
     def __init__(self, gamma: int):
         self.gamma = gamma
 
-    def after_step(self, accepted: int, drafted: int, alive: int = 0, context: int = 0) -> int:
+    def after_step(self, accepted: int, drafted: int, alive: int = 0, context: int = 0,
+                   seconds: float | None = None) -> int:
         return self.gamma
 
 
@@ -33,10 +34,15 @@ class AdaptiveGamma:
         self.controller, self.lockstep = controller, lockstep
         self.gamma = controller.gamma
 
-    def after_step(self, accepted: int, drafted: int, alive: int = 0, context: int = 0) -> int:
+    def after_step(self, accepted: int, drafted: int, alive: int = 0, context: int = 0,
+                   seconds: float | None = None) -> int:
         """``accepted`` draft tokens of ``drafted`` (γ × rows that drafted) in the last step;
         ``alive`` rows left, with ``context`` tokens in all (their mean is the context γ is chosen
-        for, when it follows the context)."""
-        accepted, drafted, alive, context = self.lockstep.pool(accepted, drafted, alive, context)
-        self.gamma = self.controller.update(accepted, drafted, alive, context // alive if alive else 0)
+        for, when it follows the context); ``seconds``: the step's wall time (None before the
+        first step). Under ``synced_gpus`` the ranks' times are summed like the counts: the
+        controller uses them only in ratios, where the number of ranks cancels."""
+        micros = [] if seconds is None else [round(seconds * 1e6)]
+        accepted, drafted, alive, context, *micros = self.lockstep.pool(accepted, drafted, alive, context, *micros)
+        seconds = micros[0] / 1e6 if micros else None
+        self.gamma = self.controller.update(accepted, drafted, alive, context // alive if alive else 0, seconds)
         return self.gamma

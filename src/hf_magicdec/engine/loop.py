@@ -114,9 +114,11 @@ class Engine:
         read = self._begin(b, stopper, input_ids, position_ids)
         self.gamma.after_step(0, 0, read.alive, read.context)  # the first γ, for the prompt's context
         while self.lockstep.any_alive(read.alive > 0):
-            gamma = self.gamma.gamma
+            gamma, start = self.gamma.gamma, time.perf_counter()
             read = self._step(b, stopper, gamma, read) if read.alive else self._idle_step(gamma)
-            self.gamma.after_step(read.accepted, read.drafted, read.alive, read.context)
+            # The step's wall time (its one host read has waited for the device): a schedule
+            # checks the cost model against it.
+            self.gamma.after_step(read.accepted, read.drafted, read.alive, read.context, time.perf_counter() - start)
         self.observers.on_end()
         return self._sequences(b)
 

@@ -18,6 +18,24 @@ PRIOR_WEIGHT = 32
 #: nothing accepted then says off too.
 PROBE_ALPHA = 0.95
 PROBE_TOKENS = 4 * PRIOR_WEIGHT
+#: A schedule that is given the steps' wall times checks the cost model against them: its first
+#: PLAIN_PROBE_STEPS steps decode plainly (the first of each kind is a warm-up, not counted), and
+#: from then on a speculative step's predicted cost is scaled by what this call measured, (plain
+#: measured / predicted) / (speculative measured / predicted), blended in with COST_PRIOR_STEPS
+#: speculative steps' worth of confidence in the model. Where the model's step ratios are off for
+#: this machine and workload (an uncalibrated device, logits processors priced at every verified
+#: position: SmolLM2-135M, batch 2, repetition penalty and n-gram blocking decoded 0.79x the static
+#: cache on 2 CPU cores with γ 1-2 kept on), speculation then turns off where it does not pay.
+PLAIN_PROBE_STEPS = 3
+COST_PRIOR_STEPS = 2
+#: Evidence goes stale: acceptance changes along a generation (a chat turn that starts hesitant and
+#: settles into 0.99) and nothing is measured while γ = 0. So a schedule that turned speculation off
+#: on what it observed (not because the context is still too short: the model at PROBE_ALPHA would
+#: still speculate) speculates again for REPROBE_STEPS steps after REPROBE_AFTER plain steps, and
+#: after twice as many each time a re-probe ends off again: where off is right, the re-probes cost a
+#: few steps per doubling (under 1 % of an 800-step call); where it was wrong, the call resumes.
+REPROBE_AFTER = 16
+REPROBE_STEPS = 4
 
 
 class GammaController:
@@ -44,11 +62,15 @@ class GammaController:
         γ may be 0 (plain decoding on MagicDec's cache) where speculation does not pay, switching
         with hysteresis (:data:`.schedule.SWITCH_MARGIN`). Until the observed acceptance outweighs
         the prior, a schedule probes (:data:`PROBE_TOKENS`).
+    measure_costs : bool
+        With ``step_model`` and ``allow_off``: :meth:`update` is given each step's wall time, and
+        the switch between plain and speculative steps follows the measured costs
+        (:data:`PLAIN_PROBE_STEPS`, :attr:`cost_factor`).
     """
 
     def __init__(self, gamma: int, max_gamma: int, alpha: float, draft_ratio: float | None = None,
                  verify_ratio: dict[int, float] | None = None, *, step_model: StepModel | None = None,
-                 allow_off: bool = False):
+                 allow_off: bool = False, measure_costs: bool = False):
         if step_model is None and (draft_ratio is None or verify_ratio is None):
             raise ValueError("GammaController needs draft_ratio and verify_ratio, or a step_model.")
         self.gamma = min(gamma, max_gamma)
@@ -60,28 +82,101 @@ class GammaController:
         self.allow_off = allow_off
         self.accepted = 0
         self.drafted = 0
+        self.measure_costs = measure_costs and step_model is not None and allow_off
+        # Plain (False) and speculative (True) steps: steps seen, and of those after the first,
+        # [measured seconds, predicted seconds, steps].
+        self._seen = {False: 0, True: 0}
+        self._times = {False: [0.0, 0.0, 0], True: [0.0, 0.0, 0]}
+        self._at: tuple[int, int] | None = None  # (batch, context) the last γ was chosen for
+        # Re-probes: plain steps decided on evidence since speculation last ran, the number that
+        # triggers the next re-probe, and the speculative steps the running re-probe has left.
+        self._off_steps = 0
+        self._reprobe_after = REPROBE_AFTER
+        self._reprobe_left = 0
 
     @property
     def alpha(self) -> float:
         return (self.accepted + PRIOR_WEIGHT * self.prior) / (self.drafted + PRIOR_WEIGHT)
 
-    def update(self, accepted: int, drafted: int, batch: int | None = None, context: int | None = None) -> int:
+    @property
+    def cost_factor(self) -> float:
+        """How much cheaper speculation is against plain decoding than the cost model says, from
+        this call's step times (1.0 until both kinds of step were measured): (plain measured /
+        predicted) / (speculative measured / predicted), shrunk towards 1 by
+        :data:`COST_PRIOR_STEPS`."""
+        (plain, plain_model, _), (spec, spec_model, n) = self._times[False], self._times[True]
+        if not (plain > 0 and spec > 0 and plain_model > 0 and spec_model > 0):
+            return 1.0
+        return ((plain / plain_model) / (spec / spec_model)) ** (n / (n + COST_PRIOR_STEPS))
+
+    def _record(self, seconds: float) -> None:
+        """The step just run (at ``self.gamma``, chosen for ``self._at``) took ``seconds``."""
+        if self._at is None:
+            return
+        step_model, gamma = self.step_model, self.gamma
+        tt, draft_ratio, verify_ratio = step_model.ratios(*self._at)
+        if gamma and gamma not in verify_ratio:
+            return
+        predicted = tt if not gamma else tt * (gamma * draft_ratio + verify_ratio[gamma])
+        kind = gamma > 0
+        self._seen[kind] += 1
+        if self._seen[kind] > 1:  # the first step of each kind pays one-time costs
+            times = self._times[kind]
+            times[0] += seconds
+            times[1] += predicted
+            times[2] += 1
+
+    def update(self, accepted: int, drafted: int, batch: int | None = None, context: int | None = None,
+               seconds: float | None = None) -> int:
         """Add one step's pooled counts; returns the γ for the next step (at ``batch`` live rows and
-        ``context`` tokens per row, for a step model; ignored with fixed ratios)."""
+        ``context`` tokens per row, for a step model; ignored with fixed ratios). ``seconds``: the
+        step's wall time, used with ``measure_costs`` (None: the call before the first step)."""
         self.accepted += accepted
         self.drafted += drafted
+        if self.measure_costs and seconds is not None:
+            self._record(seconds)
         if not drafted and not self.allow_off:
             return self.gamma  # no new evidence (the call before the first step): keep the starting γ
         if self.step_model is not None and batch:
-            _, draft_ratio, verify_ratio = self.step_model.ratios(batch, max(int(context or 1), 1))
+            self._at = (batch, max(int(context or 1), 1))
+            _, draft_ratio, verify_ratio = self.step_model.ratios(*self._at)
         elif self.step_model is not None:
             return self.gamma  # nothing alive here: keep γ (an idle rank follows the others' counts)
         else:
             draft_ratio, verify_ratio = self.draft_ratio, self.verify_ratio
         verify_ratio = {g: v for g, v in verify_ratio.items() if g <= self.max_gamma}
+        model = draft_ratio, verify_ratio
+        if self.measure_costs:
+            if self._seen[False] < PLAIN_PROBE_STEPS:  # time plain steps first
+                self.gamma = 0
+                return 0
+            factor = self.cost_factor
+            draft_ratio, verify_ratio = draft_ratio / factor, {g: v / factor for g, v in verify_ratio.items()}
         gamma, _ = best_gamma(self.alpha, draft_ratio, verify_ratio, self.allow_off, self.gamma)
         if gamma == 0 and self.allow_off and self.drafted < PROBE_TOKENS:  # probe: 0 where that does not pay
             probed = (self.accepted + PRIOR_WEIGHT * PROBE_ALPHA) / (self.drafted + PRIOR_WEIGHT)
             gamma, _ = best_gamma(probed, draft_ratio, verify_ratio, True)
+        if self.allow_off and self.step_model is not None:
+            gamma = self._reprobe(gamma, *model, draft_ratio, verify_ratio)
         self.gamma = gamma
         return self.gamma
+
+    def _reprobe(self, gamma: int, model_draft: float, model_verify: dict[int, float],
+                 draft_ratio: float, verify_ratio: dict[int, float]) -> int:
+        """``gamma``, or a re-probe's γ (the best γ > 0 at the acceptance observed) where
+        speculation has been off on evidence for :data:`REPROBE_AFTER` (doubling) plain steps;
+        ``model_*``: the cost model's ratios, ``draft_ratio``/``verify_ratio``: as measured."""
+        if gamma:
+            self._off_steps = self._reprobe_left = 0
+            return gamma
+        if not self._reprobe_left:
+            if not best_gamma(PROBE_ALPHA, model_draft, model_verify, True)[0]:
+                return 0  # off because the context is still short, not on evidence: nothing to re-check
+            self._off_steps += 1
+            if self._off_steps <= self._reprobe_after:
+                return 0
+            self._off_steps, self._reprobe_left = 0, REPROBE_STEPS
+        self._reprobe_left -= 1  # a re-probe runs its steps whatever the evidence says meanwhile
+        if not self._reprobe_left:
+            self._reprobe_after *= 2  # were it to end off again, the next one waits twice as long
+        return best_gamma(self.alpha, draft_ratio, verify_ratio, False)[0]
