@@ -1,7 +1,8 @@
 """End-to-end check of long generations on a real model: MagicDec against stock ``generate`` with
 its static cache (``cache_implementation="static"``, the baseline a user would pick), token for token.
 
-    python scripts/longgen_check.py                     # every case (about 15 minutes on 2 CPU cores)
+    python scripts/longgen_check.py                     # every case (15-26 minutes on 2 CPU cores)
+    python scripts/longgen_check.py processors-default --stock   # also time stock generate (dynamic cache)
     python scripts/longgen_check.py ragged-chat-eos-default batch1-default --scale 0.1
     python scripts/longgen_check.py --list
 
@@ -12,7 +13,9 @@ the default plan (the schedule: γ = 0 while speculation does not pay, then γ b
 processors. ``--scale`` multiplies every case's new tokens (a quick run). Prints one line per case
 (identical, shapes, seconds of both calls, acceptance and steps) and, for a mismatch, the first
 differing column of each row; exits 1 if any case differs. ``--json PATH`` writes the lines'
-data. The test suite holds the same property on tiny models and short runs (``tests/test_fuzz.py``,
+data. ``--stock`` also runs plain ``generate`` (its dynamic cache), checks it gives the static
+cache's tokens too and prints its seconds: which stock cache is faster depends on the machine and
+the shapes. The test suite holds the same property on tiny models and short runs (``tests/test_fuzz.py``,
 ``tests/test_greedy_equality.py``); this script is the long, real-model run it does not contain.
 """
 
@@ -61,8 +64,8 @@ def ragged_batch(tokenizer, lengths: list[int], chat: bool) -> tuple[torch.Tenso
     return (*data.left_padded(rows, pad), pad)
 
 
-def run_case(model, tokenizer, name: str, case: dict, scale: float = 1.0) -> dict:
-    """Both calls on one case; the result line's data."""
+def run_case(model, tokenizer, name: str, case: dict, scale: float = 1.0, stock: bool = False) -> dict:
+    """Both calls (with ``stock``, plain ``generate`` too) on one case; the result line's data."""
     ids, mask, pad = ragged_batch(tokenizer, case["lengths"], case["chat"])
     new = max(1, round(case["new"] * scale))
     common = dict(input_ids=ids, attention_mask=mask, max_new_tokens=new, pad_token_id=pad,
@@ -75,6 +78,10 @@ def run_case(model, tokenizer, name: str, case: dict, scale: float = 1.0) -> dic
         start = time.perf_counter()
         out = model.generate(**common, speculative="magicdec", return_dict_in_generate=True, **case["magicdec"])
         magicdec_s = time.perf_counter() - start
+        if stock:
+            start = time.perf_counter()
+            plain = model.generate(**common)
+            stock_s = time.perf_counter() - start
     seq = out.sequences
     same = ref.shape == seq.shape and torch.equal(ref, seq)
     first_diff = []
@@ -87,7 +94,9 @@ def run_case(model, tokenizer, name: str, case: dict, scale: float = 1.0) -> dic
     return dict(case=name, identical=same, shape=list(ref.shape), magicdec_shape=list(seq.shape),
                 new_tokens=new, static_s=round(static_s, 2), magicdec_s=round(magicdec_s, 2),
                 acceptance=round(spec.acceptance_rate, 3), steps=spec.steps, first_diff=first_diff,
-                schedule=[list(run) for run in spec.schedule()])
+                schedule=[list(run) for run in spec.schedule()],
+                **({"stock_s": round(stock_s, 2), "stock_identical": plain.shape == ref.shape and torch.equal(plain, ref)}
+                   if stock else {}))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -96,6 +105,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--scale", type=float, default=1.0, help="multiply every case's new tokens")
     parser.add_argument("--json", help="write the results here")
     parser.add_argument("--list", action="store_true", help="print the cases and exit")
+    parser.add_argument("--stock", action="store_true", help="also time stock generate (its dynamic cache)")
     args = parser.parse_args(argv)
     if args.list:
         for name, case in CASES.items():
@@ -110,11 +120,13 @@ def main(argv: list[str] | None = None) -> int:
     model, tokenizer = models.load("smollm2-135m", progress=False)
     results = []
     for name in args.cases or list(CASES):
-        result = run_case(model, tokenizer, name, CASES[name], args.scale)
+        result = run_case(model, tokenizer, name, CASES[name], args.scale, args.stock)
         results.append(result)
         print(f"{name}: identical {result['identical']}  {result['shape']} vs {result['magicdec_shape']}  "
               f"static cache {result['static_s']:.1f} s  magicdec {result['magicdec_s']:.1f} s  "
               f"acceptance {result['acceptance']:.3f}  steps {result['steps']}"
+              + (f"  stock generate {result['stock_s']:.1f} s (identical {result['stock_identical']})"
+                 if "stock_s" in result else "")
               + (f"  first differing column per row {result['first_diff']}" if result["first_diff"] else ""),
               flush=True)
     if args.json:

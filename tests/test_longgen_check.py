@@ -28,8 +28,10 @@ def test_short_cases_are_identical(smollm2, name):
     case = longgen_check.CASES[name]
     # A budget below the short prompts and a fixed γ: the planner would decline this little work.
     case = dict(case, magicdec=dict(case["magicdec"], draft_budget=64, gamma=3))
-    result = longgen_check.run_case(model, tokenizer, name, case, scale=0.05)
+    stock = name == "processors-default"  # --stock: plain generate (dynamic cache) checked and timed too
+    result = longgen_check.run_case(model, tokenizer, name, case, scale=0.05, stock=stock)
     assert result["identical"], result
+    assert ("stock_s" in result) is stock and result.get("stock_identical", True), result
     assert result["shape"][0] == len(case["lengths"])
     assert result["steps"] < result["new_tokens"]  # it drafted, and some drafts were accepted
 

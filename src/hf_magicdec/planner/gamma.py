@@ -61,7 +61,8 @@ class GammaController:
     allow_off : bool
         γ may be 0 (plain decoding on MagicDec's cache) where speculation does not pay, switching
         with hysteresis (:data:`.schedule.SWITCH_MARGIN`). Until the observed acceptance outweighs
-        the prior, a schedule probes (:data:`PROBE_TOKENS`).
+        the prior, a schedule probes (:data:`PROBE_TOKENS`); off on evidence, it re-probes
+        (:data:`REPROBE_AFTER`).
     measure_costs : bool
         With ``step_model`` and ``allow_off``: :meth:`update` is given each step's wall time, and
         the switch between plain and speculative steps follows the measured costs
