@@ -50,6 +50,7 @@ def test_choice_is_the_pages_with_most_verify_mass_never_sinks_padding_or_window
     assert (ks, w) == (24, 8)
     before = static_slots(cache).clone()
     state = _state(cache)
+    state.generated = w  # the rolling window has rolled over (before, nothing is chosen: below)
     assert state.verify_page_size(1) == 0  # plain steps emit no mass
     assert state.verify_page_size(3) == 4  # (every=1) a verification does, and the choice follows it
 
@@ -93,6 +94,24 @@ def test_choice_waits_for_every_and_plain_steps_choose_nothing():
     state.on_commit(cache)
     assert state.rounds == 1 and state.verifications == 0
     assert all(s in static_slots(cache)[0, h].tolist() for h in range(HKV) for s in range(20, 24))
+
+
+def test_no_choice_before_the_window_can_have_rolled_over():
+    """Until some row may have committed a window's worth of tokens (a bound the host knows: the
+    verify forwards' tokens summed), every generated token is still in the view: no mass is emitted
+    and nothing is chosen; the first verification past that bound emits and chooses."""
+    cache = _cache(1, 64, [0])
+    view = get_view("verified", sink_tokens=0, page_size=4, recent_window=8, every=1, window=4)
+    cache.build_draft_views(view, 24, 2, 64, max_new_tokens=40)
+    state = _state(cache)
+    for generated in (3, 6):  # 3 tokens per verification (γ = 2): 3, then 6 < 8 window slots
+        assert state.verify_page_size(3) == 0
+        state.on_commit(cache)
+        assert state.generated == generated and state.rounds == 0
+    assert state.verify_page_size(3) == 4  # up to 9 tokens committed: the window may have rolled over
+    state.on_verify_mass(cache, 0, torch.rand(1, HKV, 16))
+    state.on_commit(cache)
+    assert state.rounds == 1 and state.verifications == 0
 
 
 def _count_choices(monkeypatch) -> list[int]:
