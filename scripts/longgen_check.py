@@ -14,10 +14,9 @@ the default plan (the schedule: γ = 0 while speculation does not pay, then γ b
 processors; cases marked ``opt_in`` (``--list``) run only when named. ``--scale`` multiplies every
 case's new tokens (a quick run). Prints one line per case (identical, shapes, seconds of both
 calls, acceptance and steps) and, for a mismatch, the first differing column of each row; exits 1
-if any case differs. ``--json PATH`` writes the lines'
-data. ``--stock`` also runs plain ``generate`` (its dynamic cache), checks it gives the static
-cache's tokens too and prints its seconds: which stock cache is faster depends on the machine and
-the shapes. The test suite holds the same property on tiny models and short runs (``tests/test_fuzz.py``,
+if any case differs. ``--json PATH`` writes the lines' data. ``--stock`` also runs plain
+``generate`` (its dynamic cache), checks it gives the static cache's tokens too and prints its
+seconds: which stock cache is faster depends on the machine and the shapes. The test suite holds the same property on tiny models and short runs (``tests/test_fuzz.py``,
 ``tests/test_greedy_equality.py``); this script is the long, real-model run it does not contain.
 """
 
@@ -54,7 +53,7 @@ CASES = {
     "topk1-sampling-chat-eos": dict(lengths=[150] * 3, chat=True, eos=True, new=600,
                                     magicdec=dict(draft="verified", gamma="auto"),
                                     common=dict(do_sample=True, top_k=1, temperature=0.7)),
-    # Opt-in (run only when named): the issue's longest generations, about 45 minutes on 2 CPU cores.
+    # Opt-in (run only when named): the issue's longest generations, 68 minutes on 2 CPU cores.
     "long-8k-default": dict(lengths=[128] * 8, chat=False, eos=False, new=8064, magicdec={}, opt_in=True),
 }
 

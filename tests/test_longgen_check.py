@@ -64,10 +64,10 @@ def test_cli_lists_and_rejects_unknown_cases(capsys):
     assert longgen_check.main(["--list"]) == 0
     listed = capsys.readouterr().out
     assert "batch1-default" in listed and "long-8k-default" in listed
+    with pytest.raises(SystemExit):
+        longgen_check.main(["no-such-case"])
 
 
 def test_opt_in_cases_run_only_when_named():
     defaults = longgen_check.default_cases()
     assert "long-8k-default" not in defaults and "batch1-default" in defaults
-    with pytest.raises(SystemExit):
-        longgen_check.main(["no-such-case"])
