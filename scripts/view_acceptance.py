@@ -11,6 +11,12 @@ checked token for token against plain decoding on MagicDec's cache (``gamma=0``,
 to stock ``generate`` in fp32: the test suite's claim); prints acceptance, decode / draft / verify /
 other seconds and whether the tokens were identical. One run per view, no rounds: list a view twice
 (first and last) to see this machine's drift; ``hf-magicdec bench --rounds`` times properly.
+
+``--prompt-sets N`` (default 1) repeats the comparison on N disjoint batches of prompts (set ``k``:
+the text's chunks ``k*batch .. (k+1)*batch - 1``, the views in reverse order on odd sets) and ends
+with each view's steps, acceptance and decode seconds summed over the sets. Which view takes fewer
+steps on one batch can turn on rounding: the step count is the slowest row's, and a change of
+1e-7 in the verify attention's sums moved ``verified`` from 42 to 46 steps at 8 x 4K -> 128.
 """
 
 import sys
@@ -41,33 +47,51 @@ def _view(spec: str) -> tuple[str, dict]:
     return name, parsed
 
 
+def _option(argv: list[str], name: str, default: str) -> tuple[str, list[str]]:
+    """The value after ``name`` in ``argv`` (or ``default``) and ``argv`` without the pair."""
+    if name not in argv:
+        return default, argv
+    i = argv.index(name)
+    return argv[i + 1], argv[:i] + argv[i + 2:]
+
+
 def main(argv: list[str]) -> None:
-    weights = "full"
-    if "--draft-weights" in argv:
-        i = argv.index("--draft-weights")
-        weights, argv = argv[i + 1], argv[:i] + argv[i + 2:]
-    if len(argv) < 6:
+    weights, argv = _option(argv, "--draft-weights", "full")
+    sets, argv = _option(argv, "--prompt-sets", "1")
+    sets = int(sets)
+    if len(argv) < 6 or sets < 1:
         sys.exit(__doc__)
     batch, prompt, new, budget = (int(x) for x in argv[:4])
     gamma = argv[4] if argv[4] == "auto" else int(argv[4])
+    specs = argv[5:]
     model, tok = models.load("smollm2-135m", progress=False)
-    ids = data.prompt_batch(tok, batch, prompt)
-    kw = dict(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, do_sample=False,
-              eos_token_id=None, pad_token_id=0)
-    with torch.inference_mode(), hf_magicdec.shared_prefill():
-        ref = model.generate(**kw, speculative="magicdec", draft="streamingllm", draft_budget=budget, gamma=0,
-                             return_dict_in_generate=True)
-        print(f"{batch}x{prompt}->{new} plain (gamma=0): decode {ref.speculation.decode_seconds:.2f} s", flush=True)
-        for spec in argv[5:]:
-            draft, options = _view(spec)
-            out = model.generate(**kw, speculative="magicdec", draft=draft, draft_budget=budget, gamma=gamma,
-                                 draft_weights=weights, return_dict_in_generate=True, **options)
-            s = out.speculation
-            other = s.decode_seconds - s.draft_seconds - s.verify_seconds
-            print(f"{batch}x{prompt}->{new} {spec}/{budget} gamma {gamma} {weights}: acceptance "
-                  f"{s.acceptance_rate:.3f}, decode {s.decode_seconds:.2f} s (draft {s.draft_seconds:.2f}, verify "
-                  f"{s.verify_seconds:.2f}, other {other:.2f}; {s.steps} steps), identical "
-                  f"{torch.equal(out.sequences, ref.sequences)}", flush=True)
+    prompts = data.prompt_batch(tok, batch * sets, prompt)
+    totals: dict[str, list[float]] = {}  # spec -> [runs, steps, summed acceptance, decode s]
+    for k in range(sets):
+        ids = prompts[k * batch:(k + 1) * batch]
+        label = f"{batch}x{prompt}->{new}" + (f" set {k}" if sets > 1 else "")
+        kw = dict(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, do_sample=False,
+                  eos_token_id=None, pad_token_id=0)
+        with torch.inference_mode(), hf_magicdec.shared_prefill():
+            ref = model.generate(**kw, speculative="magicdec", draft="streamingllm", draft_budget=budget, gamma=0,
+                                 return_dict_in_generate=True)
+            print(f"{label} plain (gamma=0): decode {ref.speculation.decode_seconds:.2f} s", flush=True)
+            for spec in (specs if k % 2 == 0 else specs[::-1]):
+                draft, options = _view(spec)
+                out = model.generate(**kw, speculative="magicdec", draft=draft, draft_budget=budget, gamma=gamma,
+                                     draft_weights=weights, return_dict_in_generate=True, **options)
+                s = out.speculation
+                other = s.decode_seconds - s.draft_seconds - s.verify_seconds
+                print(f"{label} {spec}/{budget} gamma {gamma} {weights}: acceptance "
+                      f"{s.acceptance_rate:.3f}, decode {s.decode_seconds:.2f} s (draft {s.draft_seconds:.2f}, verify "
+                      f"{s.verify_seconds:.2f}, other {other:.2f}; {s.steps} steps), identical "
+                      f"{torch.equal(out.sequences, ref.sequences)}", flush=True)
+                for i, value in enumerate((1, s.steps, s.acceptance_rate, s.decode_seconds)):
+                    totals.setdefault(spec, [0, 0, 0.0, 0.0])[i] += value
+    if sets > 1:
+        for spec, (runs, steps, acceptance, seconds) in totals.items():
+            print(f"{spec} over {runs} runs ({sets} sets): {steps} steps, mean acceptance {acceptance / runs:.3f}, "
+                  f"decode {seconds:.2f} s", flush=True)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,40 @@
+"""``scripts/view_acceptance.py`` (views compared from one shared prefill) stays runnable, and
+``--prompt-sets`` decodes disjoint prompt batches and sums each view's runs over them."""
+
+from __future__ import annotations
+
+import re
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+import view_acceptance  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+
+def test_prompt_sets_compare_every_view_on_each_set_and_total_them(capsys):
+    view_acceptance.main(["2", "128", "12", "64", "2", "snapkv", "verified:every=1", "snapkv",
+                          "--draft-weights", "int8", "--prompt-sets", "2"])
+    lines = capsys.readouterr().out.splitlines()
+    runs = [line for line in lines if " gamma 2 int8: " in line]
+    assert len(runs) == 6 and all(line.endswith("identical True") for line in runs)
+    assert [line.split()[2] for line in lines if "plain (gamma=0)" in line] == ["0", "1"]
+    # Odd sets run the views in reverse order (drift spreads over all of them).
+    assert [line.split()[3] for line in runs[3:]] == ["snapkv/64", "verified:every=1/64", "snapkv/64"]
+    steps = {}
+    for line in runs:
+        spec = line.split()[3].rsplit("/", 1)[0]
+        steps[spec] = steps.get(spec, 0) + int(re.search(r"; (\d+) steps\)", line).group(1))
+    totals = {line.split()[0]: line for line in lines if " runs (2 sets): " in line}
+    assert totals.keys() == {"snapkv", "verified:every=1"}
+    assert "over 4 runs" in totals["snapkv"] and "over 2 runs" in totals["verified:every=1"]
+    for spec, line in totals.items():
+        assert f": {steps[spec]} steps," in line
+
+
+def test_bad_arguments_print_the_usage():
+    with pytest.raises(SystemExit, match="Acceptance and decode time"):
+        view_acceptance.main(["8", "256", "--prompt-sets", "0"])
