@@ -211,10 +211,10 @@ def search_space(config: MagicDecConfig, target: Target | None, draft_model, cap
 
     def prior_or_observed(draft, budget, context):
         if not config.acceptance_memory or model is None:  # the default: the same inputs plan alike on every call
-            return default_acceptance(draft, budget, context)
+            return default_acceptance(draft, budget, context, prompt_len)
         key = draft_key(draft.split(":", 1)[1], draft_model) if draft.startswith("model:") else draft
         seen = observed_acceptance(model, key, budget)
-        return seen if seen is not None else default_acceptance(draft, budget, context)
+        return seen if seen is not None else default_acceptance(draft, budget, context, prompt_len)
 
     kwargs = dict(batch_size=batch, prompt_len=max(prompt_len, 1), new_tokens=max(new_tokens, 1), hardware=hardware,
                   acceptance=prior_or_observed)

@@ -272,6 +272,25 @@ def test_default_acceptance_values_and_shape():
     assert 0.05 <= default_acceptance("streamingllm", 1, 10**7) <= 0.99
 
 
+def test_verified_prior_grows_with_the_share_of_the_context_the_generation_wrote():
+    # Where the context is the prompt (measured level with SnapKV), SnapKV's prior; its lead grows
+    # with the generated share and is whole from a quarter of the context on (long generations).
+    snapkv = default_acceptance("snapkv", 256, 4096)
+    assert default_acceptance("verified", 256, 4096) == pytest.approx(snapkv)  # prompt unknown: all prompt
+    assert default_acceptance("verified", 256, 4096, prompt=4096) == pytest.approx(snapkv)
+    assert default_acceptance("verified", 256, 4096, prompt=3584) == pytest.approx(snapkv + 0.08 * 0.5)
+    assert default_acceptance("verified", 256, 4096, prompt=3072) == pytest.approx(0.93)
+    assert default_acceptance("verified", 256, 4096, prompt=256) == pytest.approx(0.93)
+    assert default_acceptance("verified@int8", 256, 4096, prompt=256) == pytest.approx(0.93 - 0.06)
+    # Other views do not depend on it.
+    for view in ("snapkv", "streamingllm"):
+        assert default_acceptance(view, 256, 4096, prompt=256) == default_acceptance(view, 256, 4096)
+    assert resolve_acceptance(None, "verified", 256, 4096, 256) == pytest.approx(0.93)
+    assert resolve_acceptance({"snapkv": 0.5}, "verified", 256, 4096, 4096) == pytest.approx(snapkv)
+    with pytest.raises(ValueError, match="prompt"):
+        default_acceptance("verified", 256, 4096, prompt=-1)
+
+
 def test_resolve_acceptance():
     assert resolve_acceptance(0.7, "snapkv", 256, 4096) == 0.7
     table = {"snapkv": 0.9, ("snapkv", 512): 0.95}

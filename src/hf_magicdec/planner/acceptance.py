@@ -12,20 +12,26 @@ import math
 from typing import Any, Mapping
 
 __all__ = ["default_acceptance", "resolve_acceptance", "BASE_ACCEPTANCE", "DRAFT_MODEL_ACCEPTANCE",
-           "DRAFT_MODEL_PREFIX", "QUANTIZED_ACCEPTANCE_DROP", "WEIGHTS_SEPARATOR"]
+           "DRAFT_MODEL_PREFIX", "QUANTIZED_ACCEPTANCE_DROP", "VERIFIED_WRITTEN_SHARE", "WEIGHTS_SEPARATOR"]
 
 #: α at a budget of 256 tokens or more and a context of 4K tokens or less. ``verified`` (the view
-#: chosen by the verify pass's attention) measured 0.922 (SnapKV 0.718, StreamingLLM 0.940) at
-#: 4 × 2K-token prompts, 0.902 (SnapKV 0.74) at 8 × 1K and 0.986 (SnapKV 0.863, StreamingLLM 0.924)
-#: at 8 × 256-token prompts with 512 new tokens (SmolLM2-135M on Shakespeare, budget 128, γ = 3,
-#: scripts/view_acceptance.py, docs/benchmarks.md): 0.90-0.99 at half the reference budget, so 0.93
-#: at 256 keeps part of its lead; a schedule measures α within the call anyway (planner.gamma).
-#: At budget 256 with int8 draft weights on long prompts that lead is not general: above SnapKV at
-#: 8 × 1K (0.912 vs 0.884) and 8 × 7,936 (0.897 vs 0.858), below it at 8 × 2K (0.892 vs 0.928)
-#: and 8 × 4K (0.858 vs 0.863). A prior that knows how much of the context the generation writes
-#: is not built yet.
+#: chosen by the verify pass's attention) earns its lead where the generation wrote much of the
+#: context (a choice made at prefill goes stale; the verifier's follows): 0.986 (SnapKV 0.863,
+#: StreamingLLM 0.924) at 8 × 256-token prompts with 512 new tokens, budget 128, and 0.976 (SnapKV
+#: 0.815) at 8 × 256 → 1,024, budget 256 (SmolLM2-135M on Shakespeare, scripts/view_acceptance.py,
+#: docs/benchmarks.md). Where the context is the prompt it is level with SnapKV: with int8 draft
+#: weights at budget 256 and 128 new tokens, 0.912 vs 0.884 at 8 × 1K, 0.892 vs 0.928 at 8 × 2K,
+#: 0.797 vs 0.801 over four batches of 8 × 4K, 0.897 vs 0.858 at 8 × 7,936 (at budget 128 and
+#: 8 × 1K it led, 0.818 vs 0.697: a prior on the share alone misses that). So its base is 0.93
+#: once the generation wrote :data:`VERIFIED_WRITTEN_SHARE` of the context or more, SnapKV's below,
+#: in proportion (see :func:`default_acceptance`).
 BASE_ACCEPTANCE = {"streamingllm": 0.80, "snapkv": 0.85, "verified": 0.93}
 _OTHER = 0.80  # views without their own prior (user-registered ones)
+#: Share of the context written by the generation from which ``verified`` gets its full prior. Nothing
+#: was measured between a few per cent (level with SnapKV) and a half (the full lead); a quarter keeps
+#: the choice measured right at 8 × 256 → 512 (``verified`` 1.43x plain decoding, SnapKV 1.16x),
+#: which a half would hand to SnapKV.
+VERIFIED_WRITTEN_SHARE = 0.25
 #: α of a separate small draft model with its full cache (``draft="model:full"``): a prior for a
 #: same-family model about 3x smaller (Qwen2.5-Coder-0.5B drafting for 1.5B measured 0.80 at 4K and
 #: 0.64 at 16K on Shakespeare, docs/benchmarks.md). A compressed draft-model view scales it by the
@@ -49,19 +55,20 @@ _PER_CONTEXT_DOUBLING = 0.0125
 _FLOOR, _CEIL = 0.05, 0.99
 
 
-def default_acceptance(draft: str, budget: int, context: float) -> float:
+def default_acceptance(draft: str, budget: int, context: float, prompt: float | None = None) -> float:
     """Prior per-token acceptance α of a draft view.
 
     ``α = base(draft) − 0.05·log2(256 / K)⁺ − 0.0125·log2(S / 4096)⁺``, clipped to
     [0.05, 0.99], where ``base`` is 0.80 for ``streamingllm``, 0.85 for ``snapkv`` (which beats
-    StreamingLLM at the same budget in MagicDec §4), 0.93 for ``verified`` (measured above SnapKV
-    on long generations; on long prompts above or below it) and 0.80 for other views; ``K`` is the
-    budget and ``S`` the context. So α is flat for budgets ≥ 256, loses 0.05 per halving below,
-    and falls slowly with context. A view that holds the whole context (``K ≥ S``) or the
-    ``full`` sanity view sees everything: 0.99. A self-draft on quantized weights
-    (``"<view>@int8"``, ``"<view>@fp16"``, ``"<view>@int4"``) loses ``QUANTIZED_ACCEPTANCE_DROP``
-    (0.06, 0, 0.10) from its view's prior. A separate draft model (``draft="model:<view>"``)
-    gets ``DRAFT_MODEL_ACCEPTANCE`` (0.70) times its view's prior / 0.99.
+    StreamingLLM at the same budget in MagicDec §4) and 0.80 for other views; for ``verified``,
+    SnapKV's 0.85 plus 0.08·min(1, w / 0.25), where ``w = (S − P) / S`` is the share of the context
+    the generation wrote (measured level with SnapKV where the context is the prompt, 0.93 and
+    above on long generations); ``K`` is the budget and ``S`` the context. So α is flat for
+    budgets ≥ 256, loses 0.05 per halving below, and falls slowly with context. A view that holds
+    the whole context (``K ≥ S``) or the ``full`` sanity view sees everything: 0.99. A self-draft
+    on quantized weights (``"<view>@int8"``, ``"<view>@fp16"``, ``"<view>@int4"``) loses
+    ``QUANTIZED_ACCEPTANCE_DROP`` (0.06, 0, 0.10) from its view's prior. A separate draft model
+    (``draft="model:<view>"``) gets ``DRAFT_MODEL_ACCEPTANCE`` (0.70) times its view's prior / 0.99.
 
     Parameters
     ----------
@@ -71,6 +78,8 @@ def default_acceptance(draft: str, budget: int, context: float) -> float:
         Draft budget K, tokens.
     context : float
         Context length S, tokens.
+    prompt : float, optional
+        Tokens of that context that were the prompt, P (None: all of it, nothing generated yet).
 
     Returns
     -------
@@ -80,22 +89,28 @@ def default_acceptance(draft: str, budget: int, context: float) -> float:
     Raises
     ------
     ValueError
-        If ``budget`` or ``context`` is not positive.
+        If ``budget`` or ``context`` is not positive, or ``prompt`` is negative.
     """
     if not budget > 0:
         raise ValueError(f"budget must be > 0, got {budget=!r}.")
     if not context > 0:
         raise ValueError(f"context must be > 0, got {context=!r}.")
+    if prompt is not None and not prompt >= 0:
+        raise ValueError(f"prompt must be >= 0 tokens, got {prompt=!r}.")
     if WEIGHTS_SEPARATOR in draft:
         view, fmt = draft.rsplit(WEIGHTS_SEPARATOR, 1)
-        alpha = default_acceptance(view, budget, context) - QUANTIZED_ACCEPTANCE_DROP.get(fmt, 0.0)
+        alpha = default_acceptance(view, budget, context, prompt) - QUANTIZED_ACCEPTANCE_DROP.get(fmt, 0.0)
         return min(_CEIL, max(_FLOOR, alpha))
     if draft.startswith(DRAFT_MODEL_PREFIX):
         view = draft[len(DRAFT_MODEL_PREFIX):]
-        return DRAFT_MODEL_ACCEPTANCE * default_acceptance(view, budget, context) / _CEIL
+        return DRAFT_MODEL_ACCEPTANCE * default_acceptance(view, budget, context, prompt) / _CEIL
     if draft == "full" or budget >= context:
         return _CEIL
     alpha = BASE_ACCEPTANCE.get(draft, _OTHER)
+    if draft == "verified":
+        written = 0.0 if prompt is None else max(0.0, context - prompt) / context
+        lead = BASE_ACCEPTANCE["verified"] - BASE_ACCEPTANCE["snapkv"]
+        alpha = BASE_ACCEPTANCE["snapkv"] + lead * min(1.0, written / VERIFIED_WRITTEN_SHARE)
     alpha -= _PER_BUDGET_HALVING * max(0.0, math.log2(_REF_BUDGET / budget))
     alpha -= _PER_CONTEXT_DOUBLING * max(0.0, math.log2(context / _REF_CONTEXT))
     return min(_CEIL, max(_FLOOR, alpha))
@@ -110,7 +125,8 @@ def _check_alpha(value: Any, where: str) -> float:
     return float(value)
 
 
-def resolve_acceptance(acceptance: AcceptanceLike, draft: str, budget: int, context: float) -> float:
+def resolve_acceptance(acceptance: AcceptanceLike, draft: str, budget: int, context: float,
+                       prompt: float | None = None) -> float:
     """α for one candidate from what the user passed.
 
     Parameters
@@ -121,6 +137,8 @@ def resolve_acceptance(acceptance: AcceptanceLike, draft: str, budget: int, cont
         back to the default). A callable ``f(draft, budget, context) -> α``.
     draft, budget, context :
         The candidate (context in tokens).
+    prompt : float, optional
+        Tokens of the context that were the prompt (for the default; a callable is not given it).
 
     Returns
     -------
@@ -133,13 +151,13 @@ def resolve_acceptance(acceptance: AcceptanceLike, draft: str, budget: int, cont
         If a supplied α is outside [0, 1].
     """
     if acceptance is None:
-        return default_acceptance(draft, budget, context)
+        return default_acceptance(draft, budget, context, prompt)
     if callable(acceptance):
         return _check_alpha(acceptance(draft, budget, context), f"returned for {draft}/{budget}")
     if isinstance(acceptance, Mapping):
         for key in ((draft, budget), draft):
             if key in acceptance:
                 return _check_alpha(acceptance[key], f"key {key!r}")
-        return default_acceptance(draft, budget, context)
+        return default_acceptance(draft, budget, context, prompt)
     return _check_alpha(acceptance, "scalar")
 

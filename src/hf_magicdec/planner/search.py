@@ -302,7 +302,7 @@ def search_plan(
     tt = target_step(spec, hw, batch_size, s).seconds
     common = dict(batch_size=batch_size, prompt_len=prompt_len, new_tokens=new_tokens, context=context,
                   model=spec.name, hardware=hw.name + (f" x{hw.tp}" if hw.tp > 1 else ""))
-    price = dict(batch=batch_size, context=s, acceptance=acceptance, t_target=tt)
+    price = dict(batch=batch_size, context=s, acceptance=acceptance, t_target=tt, prompt_len=prompt_len)
     # (estimate, view) of every candidate the view accepts.
     # A budget must compress something: below the prompt, or, when γ follows the context, below
     # where the generation ends (the view holds everything until the context outgrows it).
@@ -355,7 +355,7 @@ def _scheduled(candidates: list, spec: ModelSpec, hw: HardwareSpec, batch: int, 
         alpha_name = name if weights == "full" else f"{name}{WEIGHTS_SEPARATOR}{weights}"
 
         def alpha(context, more=0.0):
-            return min(resolve_acceptance(acceptance, alpha_name, budget, context) + more, 0.99)
+            return min(resolve_acceptance(acceptance, alpha_name, budget, context, prompt_len) + more, 0.99)
 
         speedup, gammas = scheduled_speedup(model, batch, points, alpha, True)
         upside[(name, budget, weights)] = scheduled_speedup(model, batch, points, lambda c: alpha(c, UPSIDE), True)[0]

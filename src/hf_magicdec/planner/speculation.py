@@ -129,7 +129,8 @@ class Estimate:
 
 def estimate(model: ModelSpec, hardware: HardwareSpec, *, batch: int, context: int, draft: Any, budget: int,
              gamma: int, acceptance: AcceptanceLike = None, t_target: float | None = None,
-             draft_model: ModelSpec | None = None, draft_weights: str = "full") -> Estimate:
+             draft_model: ModelSpec | None = None, draft_weights: str = "full",
+             prompt_len: float | None = None) -> Estimate:
     """Predict the speedup of one candidate at one operating point.
 
     Parameters
@@ -157,6 +158,9 @@ def estimate(model: ModelSpec, hardware: HardwareSpec, *, batch: int, context: i
     draft_weights : str
         The self-draft's linear layers: ``"full"``, or quantized copies (``"int8"``, ``"fp16"``, ``"int4"``):
         the draft steps read those bytes, and α is looked up as ``"<draft>@<format>"``.
+    prompt_len : float, optional
+        Tokens of ``context`` that were the prompt, for the prior α
+        (:func:`~hf_magicdec.planner.acceptance.default_acceptance`; None: all of it).
 
     Returns
     -------
@@ -171,7 +175,7 @@ def estimate(model: ModelSpec, hardware: HardwareSpec, *, batch: int, context: i
         draft_model_spec = model.with_weights(draft_weights)
     else:
         draft_model_spec = draft_model
-    alpha = resolve_acceptance(acceptance, name, budget, context)
+    alpha = resolve_acceptance(acceptance, name, budget, context, prompt_len)
     tt = target_step(model, hardware, batch, context).seconds if t_target is None else t_target
     drafter = model if draft_model_spec is None else draft_model_spec
     td_total = draft_steps(drafter, hardware, batch, context, budget, gamma)
