@@ -277,18 +277,18 @@ def test_verified_prior_grows_with_the_share_of_the_context_the_generation_wrote
     # with the generated share and is whole from a quarter of the context on (long generations).
     snapkv = default_acceptance("snapkv", 256, 4096)
     assert default_acceptance("verified", 256, 4096) == pytest.approx(snapkv)  # prompt unknown: all prompt
-    assert default_acceptance("verified", 256, 4096, prompt=4096) == pytest.approx(snapkv)
-    assert default_acceptance("verified", 256, 4096, prompt=3584) == pytest.approx(snapkv + 0.08 * 0.5)
-    assert default_acceptance("verified", 256, 4096, prompt=3072) == pytest.approx(0.93)
-    assert default_acceptance("verified", 256, 4096, prompt=256) == pytest.approx(0.93)
-    assert default_acceptance("verified@int8", 256, 4096, prompt=256) == pytest.approx(0.93 - 0.06)
+    assert default_acceptance("verified", 256, 4096, prompt_len=4096) == pytest.approx(snapkv)
+    assert default_acceptance("verified", 256, 4096, prompt_len=3584) == pytest.approx(snapkv + 0.08 * 0.5)
+    assert default_acceptance("verified", 256, 4096, prompt_len=3072) == pytest.approx(0.93)
+    assert default_acceptance("verified", 256, 4096, prompt_len=256) == pytest.approx(0.93)
+    assert default_acceptance("verified@int8", 256, 4096, prompt_len=256) == pytest.approx(0.93 - 0.06)
     # Other views do not depend on it.
     for view in ("snapkv", "streamingllm"):
-        assert default_acceptance(view, 256, 4096, prompt=256) == default_acceptance(view, 256, 4096)
+        assert default_acceptance(view, 256, 4096, prompt_len=256) == default_acceptance(view, 256, 4096)
     assert resolve_acceptance(None, "verified", 256, 4096, 256) == pytest.approx(0.93)
     assert resolve_acceptance({"snapkv": 0.5}, "verified", 256, 4096, 4096) == pytest.approx(snapkv)
-    with pytest.raises(ValueError, match="prompt"):
-        default_acceptance("verified", 256, 4096, prompt=-1)
+    with pytest.raises(ValueError, match="prompt_len"):
+        default_acceptance("verified", 256, 4096, prompt_len=-1)
 
 
 def test_resolve_acceptance():

@@ -55,7 +55,7 @@ _PER_CONTEXT_DOUBLING = 0.0125
 _FLOOR, _CEIL = 0.05, 0.99
 
 
-def default_acceptance(draft: str, budget: int, context: float, prompt: float | None = None) -> float:
+def default_acceptance(draft: str, budget: int, context: float, prompt_len: float | None = None) -> float:
     """Prior per-token acceptance α of a draft view.
 
     ``α = base(draft) − 0.05·log2(256 / K)⁺ − 0.0125·log2(S / 4096)⁺``, clipped to
@@ -78,7 +78,7 @@ def default_acceptance(draft: str, budget: int, context: float, prompt: float | 
         Draft budget K, tokens.
     context : float
         Context length S, tokens.
-    prompt : float, optional
+    prompt_len : float, optional
         Tokens of that context that were the prompt, P (None: all of it, nothing generated yet).
 
     Returns
@@ -89,26 +89,26 @@ def default_acceptance(draft: str, budget: int, context: float, prompt: float | 
     Raises
     ------
     ValueError
-        If ``budget`` or ``context`` is not positive, or ``prompt`` is negative.
+        If ``budget`` or ``context`` is not positive, or ``prompt_len`` is negative.
     """
     if not budget > 0:
         raise ValueError(f"budget must be > 0, got {budget=!r}.")
     if not context > 0:
         raise ValueError(f"context must be > 0, got {context=!r}.")
-    if prompt is not None and not prompt >= 0:
-        raise ValueError(f"prompt must be >= 0 tokens, got {prompt=!r}.")
+    if prompt_len is not None and not prompt_len >= 0:
+        raise ValueError(f"prompt_len must be >= 0 tokens, got {prompt_len=!r}.")
     if WEIGHTS_SEPARATOR in draft:
         view, fmt = draft.rsplit(WEIGHTS_SEPARATOR, 1)
-        alpha = default_acceptance(view, budget, context, prompt) - QUANTIZED_ACCEPTANCE_DROP.get(fmt, 0.0)
+        alpha = default_acceptance(view, budget, context, prompt_len) - QUANTIZED_ACCEPTANCE_DROP.get(fmt, 0.0)
         return min(_CEIL, max(_FLOOR, alpha))
     if draft.startswith(DRAFT_MODEL_PREFIX):
         view = draft[len(DRAFT_MODEL_PREFIX):]
-        return DRAFT_MODEL_ACCEPTANCE * default_acceptance(view, budget, context, prompt) / _CEIL
+        return DRAFT_MODEL_ACCEPTANCE * default_acceptance(view, budget, context, prompt_len) / _CEIL
     if draft == "full" or budget >= context:
         return _CEIL
     alpha = BASE_ACCEPTANCE.get(draft, _OTHER)
     if draft == "verified":
-        written = 0.0 if prompt is None else max(0.0, context - prompt) / context
+        written = 0.0 if prompt_len is None else max(0.0, context - prompt_len) / context
         lead = BASE_ACCEPTANCE["verified"] - BASE_ACCEPTANCE["snapkv"]
         alpha = BASE_ACCEPTANCE["snapkv"] + lead * min(1.0, written / VERIFIED_WRITTEN_SHARE)
     alpha -= _PER_BUDGET_HALVING * max(0.0, math.log2(_REF_BUDGET / budget))
@@ -126,7 +126,7 @@ def _check_alpha(value: Any, where: str) -> float:
 
 
 def resolve_acceptance(acceptance: AcceptanceLike, draft: str, budget: int, context: float,
-                       prompt: float | None = None) -> float:
+                       prompt_len: float | None = None) -> float:
     """α for one candidate from what the user passed.
 
     Parameters
@@ -137,7 +137,7 @@ def resolve_acceptance(acceptance: AcceptanceLike, draft: str, budget: int, cont
         back to the default). A callable ``f(draft, budget, context) -> α``.
     draft, budget, context :
         The candidate (context in tokens).
-    prompt : float, optional
+    prompt_len : float, optional
         Tokens of the context that were the prompt (for the default; a callable is not given it).
 
     Returns
@@ -151,13 +151,13 @@ def resolve_acceptance(acceptance: AcceptanceLike, draft: str, budget: int, cont
         If a supplied α is outside [0, 1].
     """
     if acceptance is None:
-        return default_acceptance(draft, budget, context, prompt)
+        return default_acceptance(draft, budget, context, prompt_len)
     if callable(acceptance):
         return _check_alpha(acceptance(draft, budget, context), f"returned for {draft}/{budget}")
     if isinstance(acceptance, Mapping):
         for key in ((draft, budget), draft):
             if key in acceptance:
                 return _check_alpha(acceptance[key], f"key {key!r}")
-        return default_acceptance(draft, budget, context, prompt)
+        return default_acceptance(draft, budget, context, prompt_len)
     return _check_alpha(acceptance, "scalar")
 
