@@ -201,8 +201,8 @@ def test_cost_model_charges_the_choice_once_per_every():
 
 
 def test_cost_model_charges_the_twins_explicit_softmax_where_the_mass_is_not_fused():
-    """On a CPU the PyTorch twin emits the mass: the emitting verification writes and reads its fp32
-    probabilities once more (2·4·B·H·q·S bytes per layer), priced per verification like the rest;
+    """On a CPU the PyTorch twin emits the mass: the emitting verification reads its fp32
+    probabilities once more (4·B·H·q·S bytes per layer), priced per verification like the rest;
     the fused kernel's few bytes per page stay the whole cost on a GPU preset."""
     config = json.loads((Path(__file__).parents[1] / "configs" / "llama-3.1-8b.json").read_text())
     spec, view = ModelSpec.from_config(config, name="llama-3.1-8b"), get_view("verified")
@@ -210,7 +210,7 @@ def test_cost_model_charges_the_twins_explicit_softmax_where_the_mass_is_not_fus
     assert not cpu.fused_mass and get_hardware("h100").fused_mass
     fused = cpu.replace(fused_mass=True)
     extra = choice_seconds(spec, cpu, 8, 4096, 256, view, 4) - choice_seconds(spec, fused, 8, 4096, 256, view, 4)
-    per_layer = 2 * 4 * 8 * spec.heads * 4 * 4096 / cpu.bandwidth  # overlap False: bytes / bandwidth
+    per_layer = 4 * 8 * spec.heads * 4 * 4096 / cpu.bandwidth  # overlap False: bytes / bandwidth
     assert extra == pytest.approx(spec.layers * per_layer / view.every, rel=0.02)
     assert choice_seconds(spec, cpu, 8, 4096, 256, view, 8) > choice_seconds(spec, cpu, 8, 4096, 256, view, 4)
     h100 = get_hardware("h100")

@@ -155,16 +155,31 @@ def segment_attention(
         return _sdpa(query, key, value, mask, scaling, fold)
     if not page_size:
         return gqa_attention(query, key, value, segments.mask(q_len, kv_len), scaling, softcap, sinks)
-    hidden = segments.derived(("hidden", q_len, kv_len, group), lambda: ~_fold_mask(segments.mask(q_len, kv_len), group))
-    weights, inverse = _weights(query, key, hidden, scaling, softcap, sinks)  # [B, Hkv, g*q, L], [B, Hkv, g*q, 1]
-    # Normalised after the products, not before: the probabilities are weights * inverse, and
-    # scaling the [g*q, Dv] output and the [1, L] mass is cheaper than a pass over [g*q, L].
-    out = torch.matmul(weights.to(value.dtype), value).mul_(inverse.to(value.dtype))  # [B, Hkv, g*q, Dv]
+    hidden, seen = segments.derived(("mass", q_len, kv_len, group), lambda: _mass_masks(segments.mask(q_len, kv_len), group))
+    bias = None
+    if softcap is None:  # the mask as the additive bias the product starts from (capping comes before the mask)
+        shape = (query.shape[0], key.shape[1], group * q_len, kv_len)
+        bias = segments.derived(("mass bias", shape, query.dtype),
+                                lambda: _additive(~hidden, query.dtype).expand(shape).reshape(-1, *shape[2:]))
+    probs, share = _probabilities(query, key, hidden, bias, scaling, softcap, sinks)  # [B, Hkv, g*q, L], [B, Hkv, g*q, 1]
+    # Each row's probabilities times its factor (0 for a row that sees nothing, the keys' share
+    # with sinks): applied to the [g*q, Dv] output and the [1, L] mass, not to the [g*q, L] probabilities.
+    factor = seen if share is None else share * seen  # [B, 1 | Hkv, g*q, 1]
+    out = torch.matmul(probs.to(value.dtype), value).mul_(factor.to(value.dtype))  # [B, Hkv, g*q, Dv]
     out = out.reshape(query.shape[0], query.shape[1], q_len, -1).transpose(1, 2).contiguous()
-    per_key = torch.matmul(inverse.transpose(-1, -2), weights)[:, :, 0]  # [B, Hkv, L]: probabilities summed over g*q
+    per_key = torch.matmul(factor.transpose(-1, -2), probs)[:, :, 0]  # [B, Hkv, L]: summed over the g*q rows
     pages = -(-kv_len // page_size)
     per_key = F.pad(per_key, (0, pages * page_size - kv_len))
     return out, per_key.view(query.shape[0], key.shape[1], pages, page_size).sum(-1)
+
+
+def _mass_masks(mask: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The mass path's masks from the ``[B, 1, q, L]`` bool mask: what each folded row hides ``[B, 1,
+    g*q, L]`` and whether it sees any key ``[B, 1, g*q, 1]`` (fp32 0 / 1). A row that sees nothing
+    hides nothing, so that its softmax stays finite (no pass to clear NaN), and its factor 0 drops it."""
+    folded = _fold_mask(mask, group)  # one query: [B, 1, 1, L], broadcast over the g rows
+    seen = folded.any(dim=-1, keepdim=True)
+    return ~folded & seen, seen.float().expand(-1, -1, group * mask.shape[2], -1)
 
 
 def _additive(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -172,31 +187,40 @@ def _additive(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
 
 
-def _weights(query, key, hidden, scaling, softcap, sinks) -> tuple[torch.Tensor, torch.Tensor]:
-    """Unnormalised fp32 softmax weights ``[B, Hkv, g*q, L]`` of the folded queries (row ``j*q + i``
-    of KV head ``kv`` is query head ``kv*g + j`` at position ``i``) and the inverse of each row's
-    denominator ``[B, Hkv, g*q, 1]``: scale, cap, hide (``hidden``: the folded mask, inverted),
-    exponentiate with the sink logit in the denominator. A row that sees no key (nor sink) gets
-    zeros, not NaN. One logits buffer, updated in place."""
+def _probabilities(query, key, hidden, bias, scaling, softcap, sinks) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The fp32 softmax probabilities ``[B, Hkv, g*q, L]`` of the folded queries over the keys (row
+    ``j*q + i`` of KV head ``kv`` is query head ``kv*g + j`` at position ``i``): scale, cap, hide,
+    softmax. Hidden: ``hidden [B, 1, g*q | 1, L]`` (bool, every row sees some key: :func:`_mass_masks`),
+    or, without ``softcap``, ``bias [B*Hkv, g*q, L]`` (0 / -inf, the same mask) which the product
+    starts from. With ``sinks``, also the keys' share of each row's mass ``[B, Hkv, g*q, 1]`` (the
+    sink logit takes the rest: ``sigmoid(logsumexp - sink)``), else None.
+
+    Every step after the product is a pass over the ``[g*q, L]`` logits, so there are few: the mask
+    rides in the product (a GEMM that starts from the bias), fp32 queries are scaled before it
+    (``[g*q, D]``, not ``[g*q, L]``) and the softmax is one fused call."""
     batch, heads, q_len, head_dim = query.shape
-    kv_heads = key.shape[1]
-    group = heads // kv_heads
-    folded = query.reshape(batch, kv_heads, group * q_len, head_dim)
-    logits = torch.matmul(folded, key.transpose(-1, -2)).float().mul_(scaling)
-    if softcap is not None:
-        logits = logits.div_(softcap).tanh_().mul_(softcap)
-    logits = logits.masked_fill_(hidden, float("-inf"))
-    top = logits.amax(dim=-1, keepdim=True)
+    kv_heads, kv_len = key.shape[1], key.shape[2]
+    rows = heads // kv_heads * q_len
+    folded = query.reshape(batch, kv_heads, rows, head_dim)
+    if query.dtype == torch.float32:
+        folded, scaled = folded * scaling, True
+    else:  # 16-bit queries: scaled in fp32, after the product
+        scaled = False
+    if bias is not None:
+        keys = key.reshape(batch * kv_heads, kv_len, head_dim).transpose(1, 2)  # a view for the cache's slices
+        logits = torch.baddbmm(bias, folded.reshape(-1, rows, head_dim), keys).view(batch, kv_heads, rows, kv_len)
+    else:
+        logits = torch.matmul(folded, key.transpose(-1, -2))
+    logits = logits.float() if scaled else logits.float().mul_(scaling)
+    if bias is None:
+        if softcap is not None:
+            logits = logits.div_(softcap).tanh_().mul_(softcap)
+        logits = logits.masked_fill_(hidden, float("-inf"))
+    share = None
     if sinks is not None:
-        sink = sinks.to(logits).reshape(1, kv_heads, group, 1, 1).expand(batch, -1, -1, q_len, 1)
-        sink = sink.reshape(batch, kv_heads, group * q_len, 1)
-        top = torch.maximum(top, sink)
-    top = top.masked_fill_(top == float("-inf"), 0.0)
-    weights = logits.sub_(top).exp_()
-    denom = weights.sum(dim=-1, keepdim=True)
-    if sinks is not None:
-        denom = denom + torch.exp(sink - top)
-    return weights, denom.masked_fill_(denom == 0.0, 1.0).reciprocal_()
+        sink = sinks.to(logits).reshape(1, kv_heads, -1, 1, 1).expand(batch, -1, -1, q_len, 1)
+        share = torch.sigmoid(torch.logsumexp(logits, dim=-1, keepdim=True) - sink.reshape(batch, kv_heads, rows, 1))
+    return torch.softmax(logits, dim=-1), share
 
 
 def snapkv_mass(

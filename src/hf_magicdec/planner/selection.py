@@ -89,7 +89,7 @@ def choice_seconds(model: ModelSpec, hardware: HardwareSpec, batch: int, context
     attention mass (0 for views that do not: static views and query-aware ones, which
     :func:`selection_seconds` costs per draft step). Arguments as :func:`selection_seconds`;
     ``queries``: tokens per verification (γ + 1), which the PyTorch twin's explicit softmax scales
-    with (``hardware.fused_mass`` False). The view's ``every`` (verifications per choice) amortizes
+    with (``hardware.fused_mass`` False: one more read of its fp32 probabilities). The view's ``every`` (verifications per choice) amortizes
     the mass and the gather."""
     check_int("batch", batch, 1)
     check_int("context", context, 0)
@@ -104,8 +104,8 @@ def choice_seconds(model: ModelSpec, hardware: HardwareSpec, batch: int, context
     tp = hardware.tp
     heads, kv_heads = math.ceil(model.heads / tp), math.ceil(model.kv_heads / tp)
     mass = 4 * batch * kv_heads * math.ceil(context / page_size)
-    if not hardware.fused_mass:  # the twin's fp32 probabilities, written and read once more
-        mass += 2 * 4 * batch * heads * queries * context
+    if not hardware.fused_mass:  # the twin's fp32 probabilities, read once more to sum the mass
+        mass += 4 * batch * heads * queries * context
     gather = 2 * 2 * batch * kv_heads * budget * model.head_dim * model.kv_bytes
     peak, bw = hardware.peak(model.dtype), hardware.bandwidth
     emit = _group(0.0, float(mass), peak, bw, model.layers, hardware.overlap)
