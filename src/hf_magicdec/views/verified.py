@@ -57,9 +57,9 @@ class Verified(DraftView):
         recent queries predict the next drafts best: summing the mass of the last 4 accepted
         0.764, the last one's alone 0.792, at 8 x 1K prompts, int8 draft weights, budget 128,
         γ = 3). Default 2: on 2 CPU cores every choice costs ~11-23 ms and its mass emission
-        ~0.3-0.6 ms per layer (8 rows, 1K-4K context), and choosing every second verification
-        decoded 7 % faster at 8 x 1K and 8 % at 8 x 4K for 0.02 less acceptance (4 % slower on a
-        long generation).
+        then cost ~0.3-0.6 ms per layer (8 rows, 1K-4K context; ~0.1 ms at 4K since the twin's
+        mass path got cheaper), and choosing every second verification decoded 7 % faster at
+        8 x 1K and 8 % at 8 x 4K for 0.02 less acceptance (4 % slower on a long generation).
     window, pool_kernel : int
         SnapKV's observation window and pooling, for the static part before the first choice.
     """
@@ -166,7 +166,7 @@ class VerifiedSelection:
         is in the view and a choice could only re-rank the prompt's pages, which SnapKV's scoring
         at prefill already ranked (8 x 4K -> 128 on 2 CPU cores: 42 steps choosing every second
         verification from the start, 43 choosing never, for 2.6 ms of mass per layer and 43 ms
-        per choice)."""
+        per choice, measured before the twin's mass path got cheaper)."""
         self.verifying = num_tokens
         due = self.verifications + 1 >= self.view.every and self.generated + num_tokens >= self.window
         return self.view.page_size if num_tokens > 1 and due else 0
