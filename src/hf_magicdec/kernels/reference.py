@@ -157,7 +157,10 @@ def segment_attention(
         return gqa_attention(query, key, value, segments.mask(q_len, kv_len), scaling, softcap, sinks)
     hidden, seen = segments.derived(("mass", q_len, kv_len, group), lambda: _mass_masks(segments.mask(q_len, kv_len), group))
     bias = None
-    if softcap is None:  # the mask as the additive bias the product starts from (capping comes before the mask)
+    if softcap is None and query.device.type == "cpu":
+        # The mask as the additive bias the product starts from (capping comes before the mask): one
+        # pass fewer over the logits. A second [B*Hkv, g*q, L] buffer per forward, small on a CPU;
+        # elsewhere (a GPU without Triton, at its batches and contexts) the mask is applied in place.
         shape = (query.shape[0], key.shape[1], group * q_len, kv_len)
         bias = segments.derived(("mass bias", shape, query.dtype),
                                 lambda: _additive(~hidden, query.dtype).expand(shape).reshape(-1, *shape[2:]))
@@ -191,9 +194,9 @@ def _probabilities(query, key, hidden, bias, scaling, softcap, sinks) -> tuple[t
     """The fp32 softmax probabilities ``[B, Hkv, g*q, L]`` of the folded queries over the keys (row
     ``j*q + i`` of KV head ``kv`` is query head ``kv*g + j`` at position ``i``): scale, cap, hide,
     softmax. Hidden: ``hidden [B, 1, g*q | 1, L]`` (bool, every row sees some key: :func:`_mass_masks`),
-    or, without ``softcap``, ``bias [B*Hkv, g*q, L]`` (0 / -inf, the same mask) which the product
-    starts from. With ``sinks``, also the keys' share of each row's mass ``[B, Hkv, g*q, 1]`` (the
-    sink logit takes the rest: ``sigmoid(logsumexp - sink)``), else None.
+    or, where the caller built it (no ``softcap``, a CPU), ``bias [B*Hkv, g*q, L]`` (0 / -inf, the
+    same mask) which the product starts from. With ``sinks``, also the keys' share of each row's
+    mass ``[B, Hkv, g*q, 1]`` (the sink logit takes the rest: ``sigmoid(logsumexp - sink)``), else None.
 
     Every step after the product is a pass over the ``[g*q, L]`` logits, so there are few: the mask
     rides in the product (a GEMM that starts from the bias), fp32 queries are scaled before it
@@ -220,7 +223,7 @@ def _probabilities(query, key, hidden, bias, scaling, softcap, sinks) -> tuple[t
     if sinks is not None:
         sink = sinks.to(logits).reshape(1, kv_heads, -1, 1, 1).expand(batch, -1, -1, q_len, 1)
         share = torch.sigmoid(torch.logsumexp(logits, dim=-1, keepdim=True) - sink.reshape(batch, kv_heads, rows, 1))
-    return torch.softmax(logits, dim=-1), share
+    return torch.softmax(logits, dim=-1, out=logits), share  # in place: one [g*q, L] buffer
 
 
 def snapkv_mass(

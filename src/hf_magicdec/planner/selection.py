@@ -89,8 +89,8 @@ def choice_seconds(model: ModelSpec, hardware: HardwareSpec, batch: int, context
     attention mass (0 for views that do not: static views and query-aware ones, which
     :func:`selection_seconds` costs per draft step). Arguments as :func:`selection_seconds`;
     ``queries``: tokens per verification (γ + 1), which the PyTorch twin's explicit softmax scales
-    with (``hardware.fused_mass`` False: one more read of its fp32 probabilities). The view's ``every`` (verifications per choice) amortizes
-    the mass and the gather."""
+    with (``hardware.fused_mass`` False: one more read of its fp32 probabilities). The view's
+    ``every`` (verifications per choice) amortizes the mass and the gather."""
     check_int("batch", batch, 1)
     check_int("context", context, 0)
     check_int("budget", budget, 1)
