@@ -205,16 +205,17 @@ def _probabilities(query, key, hidden, bias, scaling, softcap, sinks) -> tuple[t
     kv_heads, kv_len = key.shape[1], key.shape[2]
     rows = heads // kv_heads * q_len
     folded = query.reshape(batch, kv_heads, rows, head_dim)
-    if query.dtype == torch.float32:
-        folded, scaled = folded * scaling, True
-    else:  # 16-bit queries: scaled in fp32, after the product
-        scaled = False
+    scale_first = query.dtype == torch.float32  # 16-bit queries are scaled in fp32, after the product
+    if scale_first:
+        folded = folded * scaling
     if bias is not None:
         keys = key.reshape(batch * kv_heads, kv_len, head_dim).transpose(1, 2)  # a view for the cache's slices
         logits = torch.baddbmm(bias, folded.reshape(-1, rows, head_dim), keys).view(batch, kv_heads, rows, kv_len)
     else:
         logits = torch.matmul(folded, key.transpose(-1, -2))
-    logits = logits.float() if scaled else logits.float().mul_(scaling)
+    logits = logits.float()
+    if not scale_first:
+        logits = logits.mul_(scaling)
     if bias is None:
         if softcap is not None:
             logits = logits.div_(softcap).tanh_().mul_(softcap)
