@@ -99,13 +99,19 @@ def _explicit_attention(query, key, value, mask, scaling, softcap, sinks) -> tor
     if sinks is None:
         probs = torch.softmax(logits, dim=-1, dtype=torch.float32).to(value.dtype)
     else:
-        # Row j*q + i of KV head kv belongs to query head kv*g + j.
-        sink = sinks.to(logits.dtype).reshape(1, kv_heads, group, 1, 1).expand(batch, -1, -1, q_len, 1)
-        combined = torch.cat([logits, sink.reshape(batch, kv_heads, group * q_len, 1)], dim=-1)
+        combined = torch.cat([logits, _folded_sinks(sinks, logits, q_len)], dim=-1)
         combined = combined - combined.amax(dim=-1, keepdim=True)
         probs = torch.softmax(combined, dim=-1, dtype=combined.dtype)[..., :-1].to(value.dtype)
     out = torch.matmul(probs, value)  # [B, Hkv, g*q, Dv]
     return out.reshape(batch, heads, q_len, -1).transpose(1, 2).contiguous()
+
+
+def _folded_sinks(sinks: torch.Tensor, logits: torch.Tensor, q_len: int) -> torch.Tensor:
+    """Each folded row's sink logit ``[B, Hkv, g*q, 1]`` (``logits``' dtype and device) from the
+    per-query-head ``sinks [H]``: row ``j*q + i`` of KV head ``kv`` belongs to query head ``kv*g + j``."""
+    batch, kv_heads, rows = logits.shape[:3]
+    sink = sinks.to(logits).reshape(1, kv_heads, rows // q_len, 1, 1).expand(batch, -1, -1, q_len, 1)
+    return sink.reshape(batch, kv_heads, rows, 1)
 
 
 def segment_attention(
@@ -222,8 +228,7 @@ def _probabilities(query, key, hidden, bias, scaling, softcap, sinks) -> tuple[t
         logits = logits.masked_fill_(hidden, float("-inf"))
     share = None
     if sinks is not None:
-        sink = sinks.to(logits).reshape(1, kv_heads, -1, 1, 1).expand(batch, -1, -1, q_len, 1)
-        share = torch.sigmoid(torch.logsumexp(logits, dim=-1, keepdim=True) - sink.reshape(batch, kv_heads, rows, 1))
+        share = torch.sigmoid(torch.logsumexp(logits, dim=-1, keepdim=True) - _folded_sinks(sinks, logits, q_len))
     return torch.softmax(logits, dim=-1, out=logits), share  # in place: one [g*q, L] buffer
 
 
