@@ -57,6 +57,7 @@ sys.path.insert(0, str(ROOT / "src"))
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
+from transformers.generation.streamers import BaseStreamer  # noqa: E402
 
 from hf_magicdec import kernels  # noqa: E402
 from hf_magicdec.kernels import Segments, reference  # noqa: E402
@@ -120,6 +121,7 @@ def check_correctness(device, smoke: bool) -> list[dict]:
                 results.append(dict(kernel="segment_attention", kind=kind, dtype=str(dtype), batch=batch, group=group,
                                     kv_heads=kv_heads, q=q_len, head_dim=head_dim, kv_len=kv_len, max_abs_err=err,
                                     ok=err <= tolerance[dtype]))
+        results += _mass_correctness(device, dtype, smoke, gen)
         window = 32
         q = torch.randn(2, 8 * 2, window, 128, generator=gen).to(device, dtype)
         k = torch.randn(2, 2, 2053 if not smoke else 131, 128, generator=gen).to(device, dtype)
@@ -129,6 +131,34 @@ def check_correctness(device, smoke: bool) -> list[dict]:
         err = ((got - want).abs().max() / want.abs().max()).item()
         results.append(dict(kernel="snapkv_mass", dtype=str(dtype), kv_len=k.shape[2], max_rel_err=err, ok=err <= 1e-3))
     return results
+
+
+def _mass_correctness(device, dtype, smoke: bool, gen) -> list[dict]:
+    """The verify kernel's attention mass per page (``page_size=``, what ``draft="verified"``
+    chooses from) against the fp32 twin's: output and mass, causal verify segments, left padding."""
+    shapes = [(2, 4, 2, 4, 64, 301)] if smoke else [(8, 4, 8, 4, 128, 4099), (4, 7, 4, 5, 128, 32771)]
+    rows = []
+    for batch, group, kv_heads, q_len, head_dim, kv_len in shapes:
+        query = torch.randn(batch, kv_heads * group, q_len, head_dim, generator=gen).to(device, dtype)
+        key = torch.randn(batch, kv_heads, kv_len, head_dim, generator=gen).to(device, dtype)
+        value = torch.randn(batch, kv_heads, kv_len, head_dim, generator=gen).to(device, dtype)
+        ends = torch.randint(kv_len // 2, kv_len + 1, (batch,), generator=gen)
+        ends[0] = kv_len
+        seg = Segments.causal(torch.randint(0, 40, (batch,), generator=gen), ends).to(device)
+        for page in (16, 64):
+            out, mass = kernels._triton().segment_attention(query, key, value, seg, head_dim**-0.5, page_size=page)
+            want_out, want_mass = reference.segment_attention(query.float(), key.float(), value.float(), seg,
+                                                              head_dim**-0.5, page_size=page)
+            out_err = (out.float() - want_out).abs().max().item()
+            mass_err = ((mass - want_mass).abs().max() / want_mass.abs().max()).item()
+            # Mass per (row, KV head) sums to g * q (every query row's probabilities sum to 1).
+            total_err = (mass.sum(-1) - group * q_len).abs().max().item() / (group * q_len)
+            rows.append(dict(kernel="segment_attention_mass", dtype=str(dtype), batch=batch, group=group,
+                             kv_heads=kv_heads, q=q_len, kv_len=kv_len, page_size=page, max_abs_err=out_err,
+                             mass_max_rel_err=mass_err, mass_total_rel_err=total_err,
+                             ok=out_err <= (2e-2 if dtype == torch.bfloat16 else 2e-3) and mass_err <= 1e-3
+                             and total_err <= 1e-3))
+    return rows
 
 
 def kernel_timings(device, batch, context, kv_heads, group, head_dim, dtype, copy_gbs, repeats) -> list[dict]:
@@ -151,6 +181,9 @@ def kernel_timings(device, batch, context, kv_heads, group, head_dim, dtype, cop
             "stock_sdpa": (lambda: F.scaled_dot_product_attention(query, k, v, enable_gqa=True)) if q_len == 1 else
                           (lambda: F.scaled_dot_product_attention(query, k, v, attn_mask=mask, enable_gqa=True)),
         }
+        if q_len > 1:  # issue 26: the verify pass emitting the mass per 16-key page (draft="verified")
+            paths["triton_mass16"] = lambda: kernels._triton().segment_attention(query, k, v, seg, head_dim**-0.5,
+                                                                                 page_size=16)
         for name, fn in paths.items():
             try:
                 seconds = timed(fn, repeats, device)
@@ -305,21 +338,7 @@ def end_to_end(name, layers, batch, context, new_tokens, device, dtype, smoke, p
     both methods feed (one host copy of the new tokens per step, for both). Both prefill in chunks of
     ``prefill_chunk`` tokens (``generation_config.prefill_chunk_size``): in one piece, stock's
     prefill at 32 × 32K would need ~90 GB of MLP activations and a 34 GB mask beside its cache."""
-    from transformers.generation.streamers import BaseStreamer
-
     import hf_magicdec  # noqa: F401  (the speculative= routing)
-
-    class DecodeClock(BaseStreamer):
-        def __init__(self):
-            self.puts, self.first, self.stop = 0, None, None
-
-        def put(self, value):
-            self.puts += 1
-            if self.puts == 2:  # the first put is the prompt, the second the first new token(s)
-                self.first = time.perf_counter()
-
-        def end(self):
-            self.stop = time.perf_counter()
 
     model = build_model(name, layers, dtype, device, smoke)
     g = torch.Generator(device="cpu").manual_seed(0)
@@ -347,6 +366,94 @@ def end_to_end(name, layers, batch, context, new_tokens, device, dtype, smoke, p
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return row
+
+
+class DecodeClock(BaseStreamer):
+    """A streamer that times decode: from the first generated token(s) to the end of ``generate``
+    (the first ``put`` is the prompt). Both stock ``generate`` and MagicDec feed it."""
+
+    def __init__(self):
+        self.puts, self.first, self.stop = 0, None, None
+
+    def put(self, value):
+        self.puts += 1
+        if self.puts == 2:
+            self.first = time.perf_counter()
+
+    def end(self):
+        self.stop = time.perf_counter()
+
+
+def views_and_long_generation(name, layers, device, dtype, smoke, budget: Budget, on_row) -> None:
+    """Issue 26 on the GPU, random weights of a real shape (so acceptance says nothing about real
+    text; the step costs and the token identity do):
+
+    * long prompt (8 x 4K -> 128, budget 256, γ 3, eager, ``HF_MAGICDEC_PROFILE=1``): ``snapkv``
+      against ``verified``, whose choices (the per-layer gathers after a verification) are the
+      "other" seconds beyond draft and verify; tokens against plain decoding on our cache (γ 0);
+    * long generation (16 x 256 -> 1024, EOS ignored): ``verified`` γ 3 eager, stock
+      ``generate(cache_implementation="static")`` (transformers compiles it on CUDA) and MagicDec
+      γ = 0 with ``compile=True`` (the cost of starting on our own cache), same prompts; decode
+      seconds from a streamer, after one warm-up call each (compilation, allocator). The default
+      plan is not run: with random weights its γ schedule answers an acceptance text never has."""
+    import hf_magicdec  # noqa: F401  (the speculative= routing)
+
+    model = build_model(name, layers, dtype, device, smoke)
+    gen = torch.Generator(device="cpu").manual_seed(1)
+    shapes = {"long_prompt": (2, 128, 8) if smoke else (8, 4096, 128),
+              "long_generation": (2, 64, 24) if smoke else (16, 256, 1024)}
+    views = dict(draft_budget=64 if smoke else 256, gamma=3, compile=False, draft_weights="full")
+    methods = {
+        "long_prompt": {"gamma0": dict(speculative="magicdec", draft="snapkv", **{**views, "gamma": 0}),
+                        "snapkv": dict(speculative="magicdec", draft="snapkv", **views),
+                        "verified": dict(speculative="magicdec", draft="verified", **views)},
+        "long_generation": {"verified": dict(speculative="magicdec", draft="verified", **views),
+                            "stock_static": dict(cache_implementation="static"),
+                            "gamma0_compiled": dict(speculative="magicdec", draft="verified",
+                                                    **{**views, "gamma": 0, "compile": device.type == "cuda"})},
+    }
+    # Seconds of the budget a method needs left to start: the compiled ones pay a compilation.
+    need = {"stock_static": 240, "gamma0_compiled": 240}
+    os.environ["HF_MAGICDEC_PROFILE"] = "1"  # host timers synchronise: draft / verify / other split
+    try:
+        for shape, (batch, prompt, new) in shapes.items():
+            ids = torch.randint(0, model.config.vocab_size, (batch, prompt), generator=gen).to(device)
+            common = dict(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=False, pad_token_id=0,
+                          eos_token_id=None, return_dict_in_generate=True)
+            reference_tokens = None
+            for method, kwargs in methods[shape].items():
+                row = dict(stage="issue26", shape=shape, method=method, model=name, layers=layers, batch=batch,
+                           prompt=prompt, new_tokens=new)
+                if not budget.allows(need.get(method, 60)):
+                    row["skipped"] = f"time budget ({budget.left():.0f} s left)"
+                    on_row(row)
+                    continue
+                try:
+                    with torch.inference_mode():
+                        model.generate(**common, **kwargs, max_new_tokens=4, min_new_tokens=4)  # warm-up
+                        clock = DecodeClock()
+                        out = model.generate(**common, **kwargs, max_new_tokens=new, min_new_tokens=new,
+                                             streamer=clock)
+                    row["decode_s"] = clock.stop - clock.first
+                    stats = getattr(out, "speculation", None)
+                    if stats is not None:
+                        other = (stats.decode_seconds or 0) - (stats.draft_seconds or 0) - (stats.verify_seconds or 0)
+                        row.update(steps=stats.steps, acceptance=stats.acceptance_rate, draft=stats.draft,
+                                   gamma_mean=(statistics.mean(stats.gamma_trace) if stats.gamma_trace else None),
+                                   draft_s=stats.draft_seconds, verify_s=stats.verify_seconds, other_s=other,
+                                   plan=stats.plan and {k: stats.plan.get(k) for k in ("speculate", "draft", "gamma",
+                                                                                      "draft_budget", "reason")})
+                    if reference_tokens is None:
+                        reference_tokens = out.sequences
+                    row["identical_to_first"] = bool(torch.equal(out.sequences, reference_tokens))
+                except Exception as exc:  # noqa: BLE001 - one lent run: record why, measure the rest
+                    row["error"] = _error(exc)
+                on_row(row)
+                _free(device)
+    finally:
+        os.environ.pop("HF_MAGICDEC_PROFILE", None)
+        del model
+        _free(device)
 
 
 def verdict(report: dict) -> dict:
@@ -401,6 +508,8 @@ def main(argv=None) -> int:
     parser.add_argument("--e2e", type=int, nargs=3, default=[32, 32768, 128], metavar=("BATCH", "CONTEXT", "NEW"),
                         help="end-to-end decode vs compiled stock static cache (llama-3.1-8b shape)")
     parser.add_argument("--no-e2e", action="store_true", help="skip the end-to-end comparison")
+    parser.add_argument("--no-issue26", action="store_true",
+                        help="skip the verified-view and long-generation runs (issue 26)")
     parser.add_argument("--prefill-chunk", type=int, default=1024,
                         help="prompt tokens per prefill forward in the end-to-end comparison, both methods")
     parser.add_argument("--budget-s", type=float, default=None,
@@ -445,7 +554,12 @@ def main(argv=None) -> int:
     for row in report["kernel"]:
         print(json.dumps(row), flush=True)
     report["model"] = []
+    report["issue26"] = []
     save(report, out, t0)
+    if not args.no_issue26:
+        views_and_long_generation(args.models[0], args.layers, device, dtype, args.smoke, budget,
+                                  lambda row: (print(json.dumps(row, default=str), flush=True),
+                                               report["issue26"].append(row), save(report, out, t0)))
 
     # Headline shape first (batch 32, or the first batch, at the longest context; eager, then
     # captured), HF's stock step there, the end-to-end comparison, then the rest of the grid.
@@ -480,7 +594,7 @@ def main(argv=None) -> int:
         model_ratios(name, args.layers, [(b, c, g) for b, c in grid for g in (False, True)], device, dtype,
                      args.repeats, args.smoke, stock_shape=stock, **common)
 
-    errors = [r for r in report["model"] if "error" in r] + ([report["end_to_end"]] if "error" in report["end_to_end"]
+    errors = [r for r in report["model"] + report["issue26"] if "error" in r] + ([report["end_to_end"]] if "error" in report["end_to_end"]
                                                              else [])
     status = "done" + (f", {len(report['skipped'])} measurement(s) skipped for time" if report["skipped"] else "") + (
         f", {len(errors)} failed" if errors else "")

@@ -7,7 +7,7 @@ library only; a partial JSON, from a run stopped by its time limit, renders what
 
 Tables: the run (device, versions, status), the verdict against the targets, kernel correctness,
 verify-attention bandwidth, the step-time ratios per model shape, HF's stock decode step, the
-end-to-end comparison, and what was skipped or failed.
+end-to-end comparison, the draft views and long generation (issue 26), and what was skipped or failed.
 """
 
 from __future__ import annotations
@@ -63,6 +63,15 @@ def _get(mapping: dict | None, key: str):
     return mapping.get(key, mapping.get(int(key)) if key.isdigit() else None)
 
 
+def _plan(plan: dict | None) -> str:
+    """The default plan's decision in a few words ("" when the row has none)."""
+    if not plan:
+        return ""
+    if not plan.get("speculate", True):
+        return f"plan: stock ({plan.get('reason') or 'declined'})"
+    return f"plan: {plan.get('draft')}/{plan.get('draft_budget')}, γ {plan.get('gamma')}"
+
+
 def render(report: dict) -> str:
     out = ["# GPU check", ""]
     status = report.get("status", "complete" if report.get("complete", True) else "incomplete")
@@ -90,11 +99,16 @@ def render(report: dict) -> str:
 
     correctness = report.get("correctness") or []
     if correctness:
-        rows = [[r.get("kernel"), r.get("kind", "–"), r.get("dtype", "").replace("torch.", ""),
+        rows = [[r.get("kernel"), r.get("kind", f"verify, mass per {r['page_size']}" if "page_size" in r else "–"),
+                 r.get("dtype", "").replace("torch.", ""),
                  "×".join(str(r[k]) for k in ("batch", "group", "kv_heads", "q", "head_dim") if k in r) or "–",
-                 r.get("kv_len"), r.get("max_abs_err", r.get("max_rel_err")), r.get("ok")] for r in correctness]
-        out += ["## Kernel correctness (vs the fp32 twin)", ""]
-        out += _table(["kernel", "kind", "dtype", "B×g×Hkv×q×D", "keys", "max err", "ok"], rows, "llllrrl")
+                 r.get("kv_len"), r.get("max_abs_err", r.get("max_rel_err")), r.get("mass_max_rel_err"), r.get("ok")]
+                for r in correctness]
+        out += ["## Kernel correctness (vs the fp32 twin)", "",
+                "Max err: output, absolute (SnapKV's mass: relative to its largest); mass err: the per-page "
+                "attention mass the verify kernel emits (`page_size=`), relative to its largest.", ""]
+        out += _table(["kernel", "kind", "dtype", "B×g×Hkv×q×D", "keys", "max err", "mass err", "ok"], rows,
+                      "llllrrrl")
 
     kernel = report.get("kernel") or []
     if kernel:
@@ -141,6 +155,17 @@ def render(report: dict) -> str:
                           [[e2e.get("model"), e2e.get("layers"), e2e.get("batch"), e2e.get("context"),
                             e2e.get("new_tokens"), e2e.get("stock_static_decode_s"), e2e.get("magicdec_decode_s"),
                             e2e.get("speedup_vs_compiled_static"), e2e.get("identical")]], "lrrrrrrrl")
+
+    issue26 = report.get("issue26") or []
+    if issue26:
+        out += ["## Draft views and long generation (issue 26; random weights: acceptance is not text's)", ""]
+        out += _table(["shape", "method", "batch", "prompt", "new", "decode s", "steps", "acceptance", "γ mean",
+                       "draft s", "verify s", "other s", "same tokens as first", "note"],
+                      [[r.get("shape"), r.get("method"), r.get("batch"), r.get("prompt"), r.get("new_tokens"),
+                        r.get("decode_s"), r.get("steps"), r.get("acceptance"), r.get("gamma_mean"),
+                        r.get("draft_s"), r.get("verify_s"), r.get("other_s"), r.get("identical_to_first"),
+                        _fmt(r.get("error") or r.get("skipped") or _plan(r.get("plan")))] for r in issue26],
+                      "llrrrrrrrrrrll")
 
     skipped = report.get("skipped") or []
     if skipped:

@@ -46,7 +46,8 @@ def test_report_renders_a_smoke_json():
     md = report.render(data)
     assert md.startswith("# GPU check\n")
     for heading in ("## Verdict", "## Kernel correctness", "## Verify attention over the full cache",
-                    "## Step times (engine forwards)", "## Stock decode step", "## End to end"):
+                    "## Step times (engine forwards)", "## Stock decode step", "## End to end",
+                    "## Draft views and long generation (issue 26"):
         assert heading in md, heading
     assert "| Triton kernels match the fp32 twin (bf16, fp16) | yes | – | – |" in md
     assert "partial" not in md
@@ -155,7 +156,7 @@ def test_gpu_run_dry_run_writes_json_markdown_and_log(tmp_path):
     assert sorted(p.name for p in out.iterdir()) == ["gpu_check.json", "gpu_check.md", "log.txt"]
     data = json.loads((out / "gpu_check.json").read_text())
     assert data["complete"] is True and data["smoke"] is True and data["verdict"]["correctness"] is True
-    assert {r["path"] for r in data["kernel"]} == {"triton", "torch_twin", "stock_sdpa"}
+    assert {r["path"] for r in data["kernel"]} == {"triton", "torch_twin", "stock_sdpa", "triton_mass16"}
     assert data["model"] == [] and len(data["skipped"]) == 3 and data["end_to_end"] == {"skipped": "--no-e2e"}
     md = (out / "gpu_check.md").read_text()
     assert "## Skipped (time budget)" in md and "| Triton kernels match the fp32 twin (bf16, fp16) | yes |" in md

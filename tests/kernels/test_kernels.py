@@ -334,7 +334,15 @@ def test_gpu_check_script_runs_on_cpu(tmp_path):
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     report = json.loads(out.read_text())
     assert report["verdict"]["correctness"] is True
-    assert {r["path"] for r in report["kernel"]} == {"triton", "torch_twin", "stock_sdpa"}
+    assert {r["path"] for r in report["kernel"]} == {"triton", "torch_twin", "stock_sdpa", "triton_mass16"}
+    # The verify kernel's mass per page (draft="verified") is checked, and issue 26's views and
+    # long-generation rows ran without error and decoded what plain decoding on our cache did.
+    assert {r["page_size"] for r in report["correctness"] if r["kernel"] == "segment_attention_mass"} == {16, 64}
+    rows = {(r["shape"], r["method"]): r for r in report["issue26"]}
+    assert set(rows) == {("long_prompt", "gamma0"), ("long_prompt", "snapkv"), ("long_prompt", "verified"),
+                         ("long_generation", "verified"), ("long_generation", "stock_static"),
+                         ("long_generation", "gamma0_compiled")}
+    assert all("error" not in r and r["identical_to_first"] for r in rows.values())
     assert {r["model"] for r in report["model"]} == {"llama-3.1-8b"}
     # The quantized draft (int8 on CPU) is timed beside the full-weight one, and the end-to-end
     # comparison with stock static-cache generate ran and decoded the same tokens.
