@@ -355,7 +355,9 @@ def end_to_end(name, layers, batch, context, new_tokens, device, dtype, smoke, p
                prefill_chunk=prefill_chunk)
     outputs = {}
     for method, kwargs in methods.items():
-        model.generate(**common, **kwargs, max_new_tokens=4, min_new_tokens=4)  # warm-up: compilation, allocator
+        # Warm-up with the timed call's own lengths: the static caches (stock's and ours) are sized by
+        # prompt + max_new_tokens, and a shorter warm-up would leave the compilation to the timed run.
+        model.generate(**common, **kwargs, max_new_tokens=new_tokens, min_new_tokens=new_tokens)
         clock = DecodeClock()
         outputs[method] = model.generate(**common, **kwargs, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
                                          streamer=clock)
@@ -384,7 +386,7 @@ class DecodeClock(BaseStreamer):
         self.stop = time.perf_counter()
 
 
-def views_and_long_generation(name, layers, device, dtype, smoke, budget: Budget, on_row) -> None:
+def views_and_long_generation(name, layers, device, dtype, smoke, budget: Budget, which, only, on_row) -> None:
     """Issue 26 on the GPU, random weights of a real shape (so acceptance says nothing about real
     text; the step costs and the token identity do):
 
@@ -413,15 +415,17 @@ def views_and_long_generation(name, layers, device, dtype, smoke, budget: Budget
                                                     **{**views, "gamma": 0, "compile": device.type == "cuda"})},
     }
     # Seconds of the budget a method needs left to start: the compiled ones pay a compilation.
-    need = {"stock_static": 240, "gamma0_compiled": 240}
+    need = {"stock_static": 120, "gamma0_compiled": 120}
     os.environ["HF_MAGICDEC_PROFILE"] = "1"  # host timers synchronise: draft / verify / other split
     try:
-        for shape, (batch, prompt, new) in shapes.items():
+        for shape, (batch, prompt, new) in ((k, v) for k, v in shapes.items() if k in which):
             ids = torch.randint(0, model.config.vocab_size, (batch, prompt), generator=gen).to(device)
             common = dict(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=False, pad_token_id=0,
                           eos_token_id=None, return_dict_in_generate=True)
             reference_tokens = None
             for method, kwargs in methods[shape].items():
+                if only and method not in only:
+                    continue
                 row = dict(stage="issue26", shape=shape, method=method, model=name, layers=layers, batch=batch,
                            prompt=prompt, new_tokens=new)
                 if not budget.allows(need.get(method, 60)):
@@ -430,7 +434,8 @@ def views_and_long_generation(name, layers, device, dtype, smoke, budget: Budget
                     continue
                 try:
                     with torch.inference_mode():
-                        model.generate(**common, **kwargs, max_new_tokens=4, min_new_tokens=4)  # warm-up
+                        # Warm-up with the same lengths (caches sized by them: else the timed run compiles).
+                        model.generate(**common, **kwargs, max_new_tokens=new, min_new_tokens=new)
                         clock = DecodeClock()
                         out = model.generate(**common, **kwargs, max_new_tokens=new, min_new_tokens=new,
                                              streamer=clock)
@@ -490,6 +495,10 @@ def save(report: dict, path: Path, t0: float, complete: bool = False, status: st
     os.replace(tmp, path)
 
 
+#: Stages after the kernel correctness checks, in the order they run.
+STAGES = ("kernel", "issue26", "ratios", "e2e")
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "gpu_check.json"))
@@ -510,6 +519,12 @@ def main(argv=None) -> int:
     parser.add_argument("--no-e2e", action="store_true", help="skip the end-to-end comparison")
     parser.add_argument("--no-issue26", action="store_true",
                         help="skip the verified-view and long-generation runs (issue 26)")
+    parser.add_argument("--stages", nargs="+", default=list(STAGES), choices=list(STAGES),
+                        help="what to run (default: all; correctness and the copy bandwidth always run)")
+    parser.add_argument("--issue26-shapes", nargs="+", default=["long_prompt", "long_generation"],
+                        choices=["long_prompt", "long_generation"], help="issue 26's workloads to run")
+    parser.add_argument("--issue26-methods", nargs="+", default=None,
+                        help="only these of issue 26's methods (default: all; e.g. stock_static gamma0_compiled)")
     parser.add_argument("--prefill-chunk", type=int, default=1024,
                         help="prompt tokens per prefill forward in the end-to-end comparison, both methods")
     parser.add_argument("--budget-s", type=float, default=None,
@@ -550,14 +565,16 @@ def main(argv=None) -> int:
     print(f"correctness: {sum(r['ok'] for r in report['correctness'])}/{len(report['correctness'])} ok", flush=True)
     save(report, out, t0)
     shape = (2, 256, 2, 4, 64) if args.smoke else (32, 32768, 8, 4, 128)  # batch, context, Hkv, g, D
-    report["kernel"] = kernel_timings(device, *shape, dtype, report["copy_gb_per_s"], args.repeats)
+    report["kernel"] = (kernel_timings(device, *shape, dtype, report["copy_gb_per_s"], args.repeats)
+                        if "kernel" in args.stages else [])
     for row in report["kernel"]:
         print(json.dumps(row), flush=True)
     report["model"] = []
     report["issue26"] = []
     save(report, out, t0)
-    if not args.no_issue26:
+    if "issue26" in args.stages and not args.no_issue26:
         views_and_long_generation(args.models[0], args.layers, device, dtype, args.smoke, budget,
+                                  args.issue26_shapes, args.issue26_methods,
                                   lambda row: (print(json.dumps(row, default=str), flush=True),
                                                report["issue26"].append(row), save(report, out, t0)))
 
@@ -572,10 +589,13 @@ def main(argv=None) -> int:
                   on_row=lambda row: (report["model"].append(row), save(report, out, t0)))
     stock = (args.batches[0], args.contexts[-1]) if args.smoke else (32, max(args.contexts))
     first, *others = args.models
-    model_ratios(first, args.layers, [(*head, False), (*head, True)], device, dtype, args.repeats, args.smoke,
-                 stock_shape=stock, **common)
-    if args.no_e2e:
-        report["end_to_end"] = dict(skipped="--no-e2e")
+    if "ratios" not in args.stages:
+        others = []
+    else:
+        model_ratios(first, args.layers, [(*head, False), (*head, True)], device, dtype, args.repeats, args.smoke,
+                     stock_shape=stock, **common)
+    if args.no_e2e or "e2e" not in args.stages:
+        report["end_to_end"] = dict(skipped="--no-e2e" if args.no_e2e else "not in --stages")
     elif not budget.allows(90):
         report["end_to_end"] = dict(skipped=f"time budget ({budget.left():.0f} s left of {args.budget_s:.0f})")
     else:
@@ -588,7 +608,7 @@ def main(argv=None) -> int:
     print(json.dumps(report["end_to_end"]), flush=True)
     save(report, out, t0)
     rest = [(b, c, g) for b, c in grid if (b, c) != head for g in (False, True)]
-    if rest:
+    if rest and "ratios" in args.stages:
         model_ratios(first, args.layers, rest, device, dtype, args.repeats, args.smoke, **common)
     for name in others:
         model_ratios(name, args.layers, [(b, c, g) for b, c in grid for g in (False, True)], device, dtype,

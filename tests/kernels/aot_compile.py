@@ -295,13 +295,39 @@ def run(workers: int, full: bool) -> dict:
                        config={k: v for k, v in one.kwargs.items() if k.isupper() or k.startswith("num_")})
     bind_seconds = time.perf_counter() - started
     keys = sorted(jobs, key=lambda k: _cost(jobs[k]))
+    variants = inductor_samples(jobs)
     if workers > 1:
         with multiprocessing.get_context("fork").Pool(workers) as pool:
             results = dict(zip(keys, pool.map(compile_one, [jobs[k] for k in keys], chunksize=1), strict=True))
+            inductor = dict(zip(variants, pool.map(compile_one, [inductor_variant(jobs[k]) for k in variants.values()],
+                                                   chunksize=1), strict=True))
     else:
         results = {k: compile_one(jobs[k]) for k in keys}
+        inductor = {label: compile_one(inductor_variant(jobs[k])) for label, k in variants.items()}
     return {"launches": len(uses), "compiles": len(keys), "full": full, "bind_seconds": round(bind_seconds, 1),
-            "seconds": round(time.perf_counter() - started, 1), "results": results, "uses": uses}
+            "seconds": round(time.perf_counter() - started, 1), "results": results, "uses": uses,
+            "inductor_floats": inductor}
+
+
+def inductor_variant(job):
+    """The same compile with every float scalar (``scaling``, ``softcap``) typed fp64: what
+    ``torch.compile`` passes when a compiled step launches the kernels through their operators on
+    CUDA (inductor types Python floats fp64 there: ``torch/_inductor/codegen/triton_utils.py``)."""
+    capability, (name, signature, constexprs, attrs), options = job
+    wide = {arg: "fp64" if kind == "fp32" else kind for arg, kind in signature.items()}
+    return capability, (name, wide, constexprs, attrs), options
+
+
+def inductor_samples(jobs: dict) -> dict:
+    """One sm_90 compile per kernel and combination of its boolean switches (mass, soft-cap, fp32
+    upcast, ...), by label: the launches to compile again as inductor types them."""
+    samples = {}
+    for key, (capability, (name, signature, constexprs, _), _) in sorted(jobs.items()):
+        if capability != 90:
+            continue
+        flags = ",".join(f"{k}={v}" for k, v in sorted(constexprs.items()) if isinstance(v, bool))
+        samples.setdefault(f"{name} {flags}", key)
+    return samples
 
 
 def main(argv: list[str]) -> int:

@@ -59,6 +59,15 @@ _SEGMENT_RUNTIME = ["q_len", "group", "kv_heads", "kv_len", "keys_per_split", "n
                     "mass_blocks"]
 
 
+@triton.jit
+def _fp32(x):
+    """A float argument as fp32. Launched directly, Triton types Python floats fp32; inside a
+    ``torch.compile``d step on CUDA, inductor launches the same kernel with them typed fp64
+    (``torch/_inductor/codegen/triton_utils.py``), which would carry fp64 into the loop's running
+    max (a compile error) and the scores. Cast once, both launch the same fp32 arithmetic."""
+    return tl.cast(x, tl.float32)
+
+
 @triton.jit(do_not_specialize=_SEGMENT_RUNTIME)
 def _segment_attention_kernel(
     Q, K, V, Out, PartO, PartM, PartL, Sinks,
@@ -76,6 +85,7 @@ def _segment_attention_kernel(
     key block it walks, the partial sums of ``exp(s - m_block)`` over each ``BLOCK_N / UNITS`` keys
     and the running max ``m_block`` they used (:func:`_store_block_mass`) and, with one split, the
     row's final max and sum (``RowM``, ``RowL``; the merge kernel writes them with several)."""
+    scaling, softcap = _fp32(scaling), _fp32(softcap)
     pid_bh = tl.program_id(0)
     pid_s = tl.program_id(1)
     # 64-bit bases: b * stride_kb passes 2^31 once B*Hkv*L*D does (Llama-3.1-8B: batch 64 x 33K
@@ -514,6 +524,7 @@ def _snapkv_stats_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr,
 ):
     """Pass 1: softmax max and normaliser of every (query head, window query) row."""
+    scaling = _fp32(scaling)
     pid_bh = tl.program_id(0)
     b = (pid_bh // kv_heads).to(tl.int64)
     kvh = (pid_bh % kv_heads).to(tl.int64)
@@ -552,6 +563,7 @@ def _snapkv_mass_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr,
 ):
     """Pass 2: for one block of keys, the probability mass summed over all rows of a KV head."""
+    scaling = _fp32(scaling)
     pid_bh = tl.program_id(0)
     b = (pid_bh // kv_heads).to(tl.int64)
     kvh = (pid_bh % kv_heads).to(tl.int64)
