@@ -325,7 +325,9 @@ def inductor_samples(jobs: dict) -> dict:
     for key, (capability, (name, signature, constexprs, _), _) in sorted(jobs.items()):
         if capability != 90:
             continue
-        flags = ",".join(f"{k}={v}" for k, v in sorted(constexprs.items()) if isinstance(v, bool))
+        names = getattr(_import_kernels()[1], name).arg_names  # constexprs are keyed by (index,)
+        flags = ",".join(f"{names[k[0]] if isinstance(k, tuple) else k}={v}" for k, v in sorted(constexprs.items())
+                         if isinstance(v, bool))
         samples.setdefault(f"{name} {flags}", key)
     return samples
 

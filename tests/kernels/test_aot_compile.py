@@ -6,7 +6,9 @@ offsets. The grid (tests/kernels/aot_compile.py): Llama-3.1-8B, Qwen2.5-7B (GQA 
 on every device, fp16 on sm_89 (everywhere with HF_MAGICDEC_AOT_FULL=1); batch 1 and 32; verify
 q = 1..9 on a 32K cache and draft views of budget 256/512/2048 plus scratch; the same verify calls
 emitting the attention mass per page (pages of 16, 32 and 64: each partial-sum count the kernel
-compiles, with the merge and the page-mass epilogue); SnapKV scoring with windows 16 and 32.
+compiles, with the merge and the page-mass epilogue); SnapKV scoring with windows 16 and 32; and
+one compile per kernel and switch combination with its float arguments typed fp64, as a compiled
+step (``compile=``, inductor on CUDA) launches it.
 
 The compiles run in a subprocess without Triton's interpreter (this session runs it), two at a
 time, deduplicated by what Triton specialises on; Triton's own cache keeps them between runs.
@@ -117,6 +119,17 @@ def test_fp16_compiles_like_bf16(report):
             compared += 1
             assert by_dtype["float16"] == by_dtype["bfloat16"], (device, kernel, config, by_dtype)
     assert compared >= 10
+
+
+def test_every_kernel_compiles_as_a_compiled_step_launches_it(report):
+    """``compile=`` (the default on CUDA) launches the kernels from an inductor graph, which types
+    Python float arguments fp64 on CUDA. Kernels that let an fp64 ``scaling`` reach their running max
+    failed to compile there (the first lent H200 run, 2026-12-04: every captured step and the
+    end-to-end comparison raised InductorError); each kernel and switch combination compiles so typed."""
+    compiled = report["inductor_floats"]
+    assert {label.split()[0] for label in compiled} == set(aot_compile.WIDE_ARGS)
+    failed = {label: result["error"][:500] for label, result in compiled.items() if "error" in result}
+    assert not failed, failed
 
 
 def test_narrow_offset_check_catches_32_bit_products():
