@@ -359,9 +359,13 @@ def end_to_end(name, layers, batch, context, new_tokens, device, dtype, smoke, p
         # prompt + max_new_tokens, and a shorter warm-up would leave the compilation to the timed run.
         model.generate(**common, **kwargs, max_new_tokens=new_tokens, min_new_tokens=new_tokens)
         clock = DecodeClock()
-        outputs[method] = model.generate(**common, **kwargs, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-                                         streamer=clock)
+        out = model.generate(**common, **kwargs, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                             streamer=clock, return_dict_in_generate=True)
+        outputs[method] = out.sequences
         row[f"{method}_decode_s"] = clock.stop - clock.first
+        stats = getattr(out, "speculation", None)
+        if stats is not None:  # random weights: the acceptance says why a speedup is or is not there
+            row.update(magicdec_steps=stats.steps, magicdec_acceptance=stats.acceptance_rate)
     row["speedup_vs_compiled_static"] = row["stock_static_decode_s"] / max(row["magicdec_decode_s"], 1e-9)
     row["identical"] = bool(torch.equal(outputs["stock_static"], outputs["magicdec"]))
     del model
@@ -614,8 +618,8 @@ def main(argv=None) -> int:
         model_ratios(name, args.layers, [(b, c, g) for b, c in grid for g in (False, True)], device, dtype,
                      args.repeats, args.smoke, stock_shape=stock, **common)
 
-    errors = [r for r in report["model"] + report["issue26"] if "error" in r] + ([report["end_to_end"]] if "error" in report["end_to_end"]
-                                                             else [])
+    errors = [r for r in report["model"] + report["issue26"] if "error" in r]
+    errors += [report["end_to_end"]] if "error" in report["end_to_end"] else []
     status = "done" + (f", {len(report['skipped'])} measurement(s) skipped for time" if report["skipped"] else "") + (
         f", {len(errors)} failed" if errors else "")
     save(report, out, t0, complete=True, status=status)

@@ -151,10 +151,11 @@ def render(report: dict) -> str:
             out += [f"{what}: {_fmt(e2e.get('skipped') or e2e.get('error'))}", ""]
         else:
             out += _table(["model", "layers", "batch", "context", "new tokens", "stock static s", "magicdec s",
-                           "speedup", "identical"],
+                           "steps", "acceptance", "speedup", "identical"],
                           [[e2e.get("model"), e2e.get("layers"), e2e.get("batch"), e2e.get("context"),
                             e2e.get("new_tokens"), e2e.get("stock_static_decode_s"), e2e.get("magicdec_decode_s"),
-                            e2e.get("speedup_vs_compiled_static"), e2e.get("identical")]], "lrrrrrrrl")
+                            e2e.get("magicdec_steps"), e2e.get("magicdec_acceptance"),
+                            e2e.get("speedup_vs_compiled_static"), e2e.get("identical")]], "lrrrrrrrrrl")
 
     issue26 = report.get("issue26") or []
     if issue26:
