@@ -31,7 +31,13 @@ What it measures (issue 5's targets, Llama-3.1-8B shape in bf16):
   T_D with the quantized draft weights (``draft_weights=``: torchao's when installed);
 * end to end (``--e2e``, default batch 32 × 32K, 128 new tokens): MagicDec's decode time against
   stock ``generate(cache_implementation="static")``, which transformers compiles on CUDA, same
-  inputs, same run, and whether the greedy tokens are identical (target ≥ 1.5×).
+  inputs, same run, and whether the greedy tokens are identical (target ≥ 1.5×);
+* issue 26: the verify kernel's attention mass per page (``draft="verified"``) against the twin
+  and its cost beside the plain verify kernel; ``snapkv`` against ``verified`` at 8 × 4K → 128 and a
+  long generation (16 × 256 → 1,024) against the static cache (:func:`views_and_long_generation`).
+
+``--stages`` runs a subset (``kernel``, ``issue26``, ``ratios``, ``e2e``; the correctness checks
+always run first).
 
 Model-level timings use ``--layers`` decoder layers (default 8) of the real shape: a full 32-layer
 KV cache at batch 32 × 32K (128 GiB) does not fit next to the weights on one 141 GB GPU, and the
@@ -521,8 +527,6 @@ def main(argv=None) -> int:
     parser.add_argument("--e2e", type=int, nargs=3, default=[32, 32768, 128], metavar=("BATCH", "CONTEXT", "NEW"),
                         help="end-to-end decode vs compiled stock static cache (llama-3.1-8b shape)")
     parser.add_argument("--no-e2e", action="store_true", help="skip the end-to-end comparison")
-    parser.add_argument("--no-issue26", action="store_true",
-                        help="skip the verified-view and long-generation runs (issue 26)")
     parser.add_argument("--stages", nargs="+", default=list(STAGES), choices=list(STAGES),
                         help="what to run (default: all; correctness and the copy bandwidth always run)")
     parser.add_argument("--issue26-shapes", nargs="+", default=["long_prompt", "long_generation"],
@@ -576,7 +580,7 @@ def main(argv=None) -> int:
     report["model"] = []
     report["issue26"] = []
     save(report, out, t0)
-    if "issue26" in args.stages and not args.no_issue26:
+    if "issue26" in args.stages:
         views_and_long_generation(args.models[0], args.layers, device, dtype, args.smoke, budget,
                                   args.issue26_shapes, args.issue26_methods,
                                   lambda row: (print(json.dumps(row, default=str), flush=True),
