@@ -63,6 +63,11 @@ def _get(mapping: dict | None, key: str):
     return mapping.get(key, mapping.get(int(key)) if key.isdigit() else None)
 
 
+def _err(value: float | None) -> str:
+    """An error in scientific notation (three decimals would print most of them as 0.000)."""
+    return "–" if value is None else f"{value:.1e}"
+
+
 def _plan(plan: dict | None) -> str:
     """The default plan's decision in a few words ("" when the row has none)."""
     if not plan:
@@ -102,8 +107,8 @@ def render(report: dict) -> str:
         rows = [[r.get("kernel"), r.get("kind", f"verify, mass per {r['page_size']}" if "page_size" in r else "–"),
                  r.get("dtype", "").replace("torch.", ""),
                  "×".join(str(r[k]) for k in ("batch", "group", "kv_heads", "q", "head_dim") if k in r) or "–",
-                 r.get("kv_len"), r.get("max_abs_err", r.get("max_rel_err")), r.get("mass_max_rel_err"), r.get("ok")]
-                for r in correctness]
+                 r.get("kv_len"), _err(r.get("max_abs_err", r.get("max_rel_err"))), _err(r.get("mass_max_rel_err")),
+                 r.get("ok")] for r in correctness]
         out += ["## Kernel correctness (vs the fp32 twin)", "",
                 "Max err: output, absolute (SnapKV's mass: relative to its largest); mass err: the per-page "
                 "attention mass the verify kernel emits (`page_size=`), relative to its largest.", ""]
