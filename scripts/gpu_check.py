@@ -361,14 +361,8 @@ def end_to_end(name, layers, batch, context, new_tokens, device, dtype, smoke, p
                prefill_chunk=prefill_chunk)
     outputs = {}
     for method, kwargs in methods.items():
-        # Warm-up with the timed call's own lengths: the static caches (stock's and ours) are sized by
-        # prompt + max_new_tokens, and a shorter warm-up would leave the compilation to the timed run.
-        model.generate(**common, **kwargs, max_new_tokens=new_tokens, min_new_tokens=new_tokens)
-        clock = DecodeClock()
-        out = model.generate(**common, **kwargs, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-                             streamer=clock, return_dict_in_generate=True)
+        out, row[f"{method}_decode_s"] = timed_decode(model, new_tokens, **common, **kwargs)
         outputs[method] = out.sequences
-        row[f"{method}_decode_s"] = clock.stop - clock.first
         stats = getattr(out, "speculation", None)
         if stats is not None:  # random weights: the acceptance says why a speedup is or is not there
             row.update(magicdec_steps=stats.steps, magicdec_acceptance=stats.acceptance_rate)
@@ -378,6 +372,18 @@ def end_to_end(name, layers, batch, context, new_tokens, device, dtype, smoke, p
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return row
+
+
+def timed_decode(model, new_tokens: int, **kwargs):
+    """``model.generate(**kwargs)`` decoding exactly ``new_tokens``: one warm-up call, then the timed
+    one; returns its output (``return_dict_in_generate``) and its decode seconds (:class:`DecodeClock`).
+    The warm-up has the timed call's own lengths: the static caches (stock's and ours) are sized by
+    prompt + max_new_tokens, and a shorter warm-up would leave the compilation to the timed run."""
+    lengths = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens)
+    model.generate(**kwargs, **lengths)
+    clock = DecodeClock()
+    out = model.generate(**kwargs, **lengths, streamer=clock, return_dict_in_generate=True)
+    return out, clock.stop - clock.first
 
 
 class DecodeClock(BaseStreamer):
@@ -431,7 +437,7 @@ def views_and_long_generation(name, layers, device, dtype, smoke, budget: Budget
         for shape, (batch, prompt, new) in ((k, v) for k, v in shapes.items() if k in which):
             ids = torch.randint(0, model.config.vocab_size, (batch, prompt), generator=gen).to(device)
             common = dict(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=False, pad_token_id=0,
-                          eos_token_id=None, return_dict_in_generate=True)
+                          eos_token_id=None)
             reference_tokens = None
             for method, kwargs in methods[shape].items():
                 if only and method not in only:
@@ -444,20 +450,13 @@ def views_and_long_generation(name, layers, device, dtype, smoke, budget: Budget
                     continue
                 try:
                     with torch.inference_mode():
-                        # Warm-up with the same lengths (caches sized by them: else the timed run compiles).
-                        model.generate(**common, **kwargs, max_new_tokens=new, min_new_tokens=new)
-                        clock = DecodeClock()
-                        out = model.generate(**common, **kwargs, max_new_tokens=new, min_new_tokens=new,
-                                             streamer=clock)
-                    row["decode_s"] = clock.stop - clock.first
+                        out, row["decode_s"] = timed_decode(model, new, **common, **kwargs)
                     stats = getattr(out, "speculation", None)
                     if stats is not None:
                         other = (stats.decode_seconds or 0) - (stats.draft_seconds or 0) - (stats.verify_seconds or 0)
                         row.update(steps=stats.steps, acceptance=stats.acceptance_rate, draft=stats.draft,
                                    gamma_mean=(statistics.mean(stats.gamma_trace) if stats.gamma_trace else None),
-                                   draft_s=stats.draft_seconds, verify_s=stats.verify_seconds, other_s=other,
-                                   plan=stats.plan and {k: stats.plan.get(k) for k in ("speculate", "draft", "gamma",
-                                                                                      "draft_budget", "reason")})
+                                   draft_s=stats.draft_seconds, verify_s=stats.verify_seconds, other_s=other)
                     if reference_tokens is None:
                         reference_tokens = out.sequences
                     row["identical_to_first"] = bool(torch.equal(out.sequences, reference_tokens))

@@ -68,15 +68,6 @@ def _err(value: float | None) -> str:
     return "–" if value is None else f"{value:.1e}"
 
 
-def _plan(plan: dict | None) -> str:
-    """The default plan's decision in a few words ("" when the row has none)."""
-    if not plan:
-        return ""
-    if not plan.get("speculate", True):
-        return f"plan: stock ({plan.get('reason') or 'declined'})"
-    return f"plan: {plan.get('draft')}/{plan.get('draft_budget')}, γ {plan.get('gamma')}"
-
-
 def render(report: dict) -> str:
     out = ["# GPU check", ""]
     status = report.get("status", "complete" if report.get("complete", True) else "incomplete")
@@ -170,7 +161,7 @@ def render(report: dict) -> str:
                       [[r.get("shape"), r.get("method"), r.get("batch"), r.get("prompt"), r.get("new_tokens"),
                         r.get("decode_s"), r.get("steps"), r.get("acceptance"), r.get("gamma_mean"),
                         r.get("draft_s"), r.get("verify_s"), r.get("other_s"), r.get("identical_to_first"),
-                        _fmt(r.get("error") or r.get("skipped") or _plan(r.get("plan")))] for r in issue26],
+                        _fmt(r.get("error") or r.get("skipped") or "")] for r in issue26],
                       "llrrrrrrrrrrll")
 
     skipped = report.get("skipped") or []

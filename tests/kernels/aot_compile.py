@@ -321,11 +321,12 @@ def inductor_variant(job):
 def inductor_samples(jobs: dict) -> dict:
     """One sm_90 compile per kernel and combination of its boolean switches (mass, soft-cap, fp32
     upcast, ...), by label: the launches to compile again as inductor types them."""
+    _, tk = _import_kernels()
     samples = {}
     for key, (capability, (name, signature, constexprs, _), _) in sorted(jobs.items()):
         if capability != 90:
             continue
-        names = getattr(_import_kernels()[1], name).arg_names  # constexprs are keyed by (index,)
+        names = getattr(tk, name).arg_names  # constexprs are keyed by (index,)
         flags = ",".join(f"{names[k[0]] if isinstance(k, tuple) else k}={v}" for k, v in sorted(constexprs.items())
                          if isinstance(v, bool))
         samples.setdefault(f"{name} {flags}", key)
