@@ -14,7 +14,8 @@ other seconds and whether the tokens were identical. One run per view, no rounds
 
 ``--prompt-sets N`` (default 1) repeats the comparison on N disjoint batches of prompts (set ``k``:
 the text's chunks ``k*batch .. (k+1)*batch - 1``, the views in reverse order on odd sets) and ends
-with each view's steps, acceptance and decode seconds summed over the sets. Which view takes fewer
+with each view's steps, acceptance and decode seconds summed over the sets; ``--first-set K``
+(default 0) starts at set ``K``, so that a second run decodes other prompts than the first. Which view takes fewer
 steps on one batch can turn on rounding: the step count is the slowest row's, and a change of
 1e-7 in the verify attention's sums moved ``verified`` from 42 to 46 steps at 8 x 4K -> 128.
 """
@@ -58,18 +59,19 @@ def _option(argv: list[str], name: str, default: str) -> tuple[str, list[str]]:
 def main(argv: list[str]) -> None:
     weights, argv = _option(argv, "--draft-weights", "full")
     sets, argv = _option(argv, "--prompt-sets", "1")
-    sets = int(sets)
-    if len(argv) < 6 or sets < 1:
+    first, argv = _option(argv, "--first-set", "0")
+    sets, first = int(sets), int(first)
+    if len(argv) < 6 or sets < 1 or first < 0:
         sys.exit(__doc__)
     batch, prompt, new, budget = (int(x) for x in argv[:4])
     gamma = argv[4] if argv[4] == "auto" else int(argv[4])
     specs = argv[5:]
     model, tok = models.load("smollm2-135m", progress=False)
-    prompts = data.prompt_batch(tok, batch * sets, prompt)
+    prompts = data.prompt_batch(tok, batch * (first + sets), prompt)
     totals: dict[str, list[float]] = {}  # spec -> [runs, steps, summed acceptance, decode s]
-    for k in range(sets):
+    for k in range(first, first + sets):
         ids = prompts[k * batch:(k + 1) * batch]
-        label = f"{batch}x{prompt}->{new}" + (f" set {k}" if sets > 1 else "")
+        label = f"{batch}x{prompt}->{new}" + (f" set {k}" if sets > 1 or first else "")
         kw = dict(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, do_sample=False,
                   eos_token_id=None, pad_token_id=0)
         with torch.inference_mode(), hf_magicdec.shared_prefill():

@@ -1,5 +1,6 @@
 """``scripts/view_acceptance.py`` (views compared from one shared prefill) stays runnable, and
-``--prompt-sets`` decodes disjoint prompt batches and sums each view's runs over them."""
+``--prompt-sets`` decodes disjoint prompt batches and sums each view's runs over them; ``--first-set``
+starts further into the text."""
 
 from __future__ import annotations
 
@@ -36,6 +37,27 @@ def test_prompt_sets_compare_every_view_on_each_set_and_total_them(capsys):
         assert f": {steps[spec]} steps," in line
 
 
+def _runs(capsys) -> dict[str, tuple[str, str]]:
+    """The runs just printed, label (batch x prompt -> new, set) -> acceptance and steps."""
+    found = {}
+    for line in capsys.readouterr().out.splitlines():
+        match = re.match(r"(.*?) snapkv/64 gamma 2 full: acceptance ([\d.]+), .*; (\d+) steps\)", line)
+        if match:
+            found[match.group(1)] = match.group(2, 3)
+    return found
+
+
+def test_first_set_decodes_the_prompts_of_that_set(capsys):
+    view_acceptance.main(["2", "128", "12", "64", "2", "snapkv", "--prompt-sets", "2"])
+    both = _runs(capsys)
+    view_acceptance.main(["2", "128", "12", "64", "2", "snapkv", "--first-set", "1"])
+    second = _runs(capsys)
+    assert list(both) == ["2x128->12 set 0", "2x128->12 set 1"] and list(second) == ["2x128->12 set 1"]
+    assert second["2x128->12 set 1"] == both["2x128->12 set 1"]
+
+
 def test_bad_arguments_print_the_usage():
     with pytest.raises(SystemExit, match="Acceptance and decode time"):
         view_acceptance.main(["8", "256", "--prompt-sets", "0"])
+    with pytest.raises(SystemExit, match="Acceptance and decode time"):
+        view_acceptance.main(["2", "128", "12", "64", "2", "snapkv", "--first-set", "-1"])
