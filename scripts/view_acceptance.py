@@ -9,8 +9,10 @@ each a name with optional ``:option=value`` view options (``verified:every=1:pag
 (``hf_magicdec.shared_prefill``) and every view decodes from a copy of that cache, EOS ignored,
 checked token for token against plain decoding on MagicDec's cache (``gamma=0``, itself identical
 to stock ``generate`` in fp32: the test suite's claim); prints acceptance, decode / draft / verify /
-other seconds and whether the tokens were identical. One run per view, no rounds: list a view twice
-(first and last) to see this machine's drift; ``hf-magicdec bench --rounds`` times properly.
+other seconds, steps and row-steps (each row's steps, summed: a step costs less once rows have
+finished and left the batch) and whether the tokens were identical. One run per view, no rounds:
+list a view twice (first and last) to see this machine's drift; ``hf-magicdec bench --rounds``
+times properly.
 
 ``--prompt-sets N`` (default 1) repeats the comparison on N disjoint batches of prompts (set ``k``:
 the text's chunks ``k*batch .. (k+1)*batch - 1``, the views in reverse order on odd sets) and ends
@@ -84,16 +86,17 @@ def main(argv: list[str]) -> None:
                                      draft_weights=weights, return_dict_in_generate=True, **options)
                 s = out.speculation
                 other = s.decode_seconds - s.draft_seconds - s.verify_seconds
+                row_steps = sum(len(row) for row in s.accepted_lengths)  # a step costs less as rows finish
                 print(f"{label} {spec}/{budget} gamma {gamma} {weights}: acceptance "
                       f"{s.acceptance_rate:.3f}, decode {s.decode_seconds:.2f} s (draft {s.draft_seconds:.2f}, verify "
-                      f"{s.verify_seconds:.2f}, other {other:.2f}; {s.steps} steps), identical "
+                      f"{s.verify_seconds:.2f}, other {other:.2f}; {s.steps} steps, {row_steps} row-steps), identical "
                       f"{torch.equal(out.sequences, ref.sequences)}", flush=True)
-                for i, value in enumerate((1, s.steps, s.acceptance_rate, s.decode_seconds)):
-                    totals.setdefault(spec, [0, 0, 0.0, 0.0])[i] += value
+                for i, value in enumerate((1, s.steps, row_steps, s.acceptance_rate, s.decode_seconds)):
+                    totals.setdefault(spec, [0, 0, 0, 0.0, 0.0])[i] += value
     if sets > 1:
-        for spec, (runs, steps, acceptance, seconds) in totals.items():
-            print(f"{spec} over {runs} runs ({sets} sets): {steps} steps, mean acceptance {acceptance / runs:.3f}, "
-                  f"decode {seconds:.2f} s", flush=True)
+        for spec, (runs, steps, row_steps, acceptance, seconds) in totals.items():
+            print(f"{spec} over {runs} runs ({sets} sets): {steps} steps, {row_steps} row-steps, mean acceptance "
+                  f"{acceptance / runs:.3f}, decode {seconds:.2f} s", flush=True)
 
 
 if __name__ == "__main__":

@@ -26,22 +26,26 @@ def test_prompt_sets_compare_every_view_on_each_set_and_total_them(capsys):
     # Odd sets run the views in reverse order (drift spreads over all of them).
     order = [line.split()[3] for line in runs]
     assert order == ["verified:every=1/64", "snapkv/64", "snapkv/64", "snapkv/64", "snapkv/64", "verified:every=1/64"]
-    steps = {}
+    steps, row_steps = {}, {}
     for line in runs:
         spec = line.split()[3].rsplit("/", 1)[0]
-        steps[spec] = steps.get(spec, 0) + int(re.search(r"; (\d+) steps\)", line).group(1))
+        step, row_step = (int(n) for n in re.search(r"; (\d+) steps, (\d+) row-steps\)", line).groups())
+        # Each of the 2 rows takes part in a step until it has its 12 tokens: at most 3 per step (γ 2).
+        assert step <= row_step <= 2 * step and row_step >= 2 * 4
+        steps[spec] = steps.get(spec, 0) + step
+        row_steps[spec] = row_steps.get(spec, 0) + row_step
     totals = {line.split()[0]: line for line in lines if " runs (2 sets): " in line}
     assert totals.keys() == {"snapkv", "verified:every=1"}
     assert "over 4 runs" in totals["snapkv"] and "over 2 runs" in totals["verified:every=1"]
     for spec, line in totals.items():
-        assert f": {steps[spec]} steps," in line
+        assert f": {steps[spec]} steps, {row_steps[spec]} row-steps," in line
 
 
 def _runs(capsys) -> dict[str, tuple[str, str]]:
     """The runs just printed, label (batch x prompt -> new, set) -> acceptance and steps."""
     found = {}
     for line in capsys.readouterr().out.splitlines():
-        match = re.match(r"(.*?) snapkv/64 gamma 2 full: acceptance ([\d.]+), .*; (\d+) steps\)", line)
+        match = re.match(r"(.*?) snapkv/64 gamma 2 full: acceptance ([\d.]+), .*; (\d+) steps, \d+ row-steps\)", line)
         if match:
             found[match.group(1)] = match.group(2, 3)
     return found

@@ -339,6 +339,6 @@ def test_near_ties_go_to_the_candidate_with_more_to_gain(monkeypatch):
     monkeypatch.setattr(search, "NEAR_TIE", 0.0)
     assert search_plan(spec, **workload).draft != "verified"  # by the prior alone: a coin toss near 1.0x
     assert search_plan(spec, **{**workload, "prompt_len": 256, "new_tokens": 4096}).draft == "verified"  # a clear win
-    # Where the context is the prompt, verified's prior is SnapKV's (measured level there) and its
+    # Where the context is the prompt, verified's prior is SnapKV's (set when it measured level there) and its
     # choices cost more: not verified (the planner picked it at 8 x 4K -> 128 on a 0.93 prior).
     assert search_plan(spec, **{**workload, "prompt_len": 4096, "new_tokens": 128}).draft == "snapkv"

@@ -50,7 +50,6 @@ def test_choice_is_the_pages_with_most_verify_mass_never_sinks_padding_or_window
     assert (ks, w) == (24, 8)
     before = static_slots(cache).clone()
     state = _state(cache)
-    state.generated = w  # the rolling window has rolled over (before, nothing is chosen: below)
     assert state.verify_page_size(1) == 0  # plain steps emit no mass
     assert state.verify_page_size(3) == 4  # (every=1) a verification does, and the choice follows it
 
@@ -96,22 +95,20 @@ def test_choice_waits_for_every_and_plain_steps_choose_nothing():
     assert all(s in static_slots(cache)[0, h].tolist() for h in range(HKV) for s in range(20, 24))
 
 
-def test_no_choice_before_the_window_can_have_rolled_over():
-    """Until some row may have committed a window's worth of tokens (a bound the host knows: the
-    verify forwards' tokens summed), every generated token is still in the view: no mass is emitted
-    and nothing is chosen; the first verification past that bound emits and chooses."""
+def test_the_first_verification_chooses_while_the_window_holds_every_generated_token():
+    """The verifier's queries re-rank the prompt's pages from the first verification on, before
+    the rolling window has rolled over (the choice is never held back for it)."""
     cache = _cache(1, 64, [0])
     view = get_view("verified", sink_tokens=0, page_size=4, recent_window=8, every=1, window=4)
     cache.build_draft_views(view, 24, 2, 64, max_new_tokens=40)
     state = _state(cache)
-    for generated in (3, 6):  # 3 tokens per verification (γ = 2): 3, then 6 < 8 window slots
-        assert state.verify_page_size(3) == 0
-        state.on_commit(cache)
-        assert state.generated == generated and state.rounds == 0
-    assert state.verify_page_size(3) == 4  # up to 9 tokens committed: the window may have rolled over
-    state.on_verify_mass(cache, 0, torch.rand(1, HKV, 16))
+    assert state.verify_page_size(3) == 4  # 3 tokens to verify, none committed yet: it emits
+    needle = torch.zeros(1, HKV, 16)
+    needle[..., 3] = 1.0  # slots 12-15
+    state.on_verify_mass(cache, 0, needle)
     state.on_commit(cache)
     assert state.rounds == 1 and state.verifications == 0
+    assert all(s in static_slots(cache)[0, h].tolist() for h in range(HKV) for s in range(12, 16))
 
 
 def _count_choices(monkeypatch) -> list[int]:

@@ -24,7 +24,11 @@ __all__ = ["default_acceptance", "resolve_acceptance", "BASE_ACCEPTANCE", "DRAFT
 #: 0.797 vs 0.801 over four batches of 8 × 4K, 0.897 vs 0.858 at 8 × 7,936 (at budget 128 and
 #: 8 × 1K it led, 0.818 vs 0.697: a prior on the share alone misses that). So its base is 0.93
 #: once the generation wrote :data:`VERIFIED_WRITTEN_SHARE` of the context or more, SnapKV's below,
-#: in proportion (see :func:`default_acceptance`).
+#: in proportion (see :func:`default_acceptance`). Those prompt-only figures predate ``verified``
+#: choosing from the first verification; since then it leads SnapKV there too (over eight batches,
+#: budget 256: 0.889 vs 0.836 at 8 × 4K fp16, 0.836 vs 0.787 int8, 0.819 vs 0.747 at 8 × 2K fp16),
+#: so this prior undersells it where the context is the prompt; not re-tuned yet (docs/benchmarks.md,
+#: "Choosing from the first verification").
 BASE_ACCEPTANCE = {"streamingllm": 0.80, "snapkv": 0.85, "verified": 0.93}
 _OTHER = 0.80  # views without their own prior (user-registered ones)
 #: Share of the context written by the generation from which ``verified`` gets its full prior. Nothing
