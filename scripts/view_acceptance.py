@@ -70,7 +70,7 @@ def main(argv: list[str]) -> None:
     specs = argv[5:]
     model, tok = models.load("smollm2-135m", progress=False)
     prompts = data.prompt_batch(tok, batch * (first + sets), prompt)
-    totals: dict[str, list[float]] = {}  # spec -> [runs, steps, summed acceptance, decode s]
+    totals: dict[str, list[float]] = {}  # spec -> [runs, steps, row-steps, summed acceptance, decode s]
     for k in range(first, first + sets):
         ids = prompts[k * batch:(k + 1) * batch]
         label = f"{batch}x{prompt}->{new}" + (f" set {k}" if sets > 1 or first else "")

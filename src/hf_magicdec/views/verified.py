@@ -11,9 +11,9 @@ on: while the window still holds every generated token a choice re-ranks the pro
 verifier's queries rank them better than SnapKV's prefill window (8 x 4K -> 128, budget 256, int8
 draft weights, eight prompt batches: mean acceptance 0.836 against 0.799 waiting for the window to
 roll over first and 0.787 for SnapKV; 7 % and 11 % fewer steps). The mass comes out of the verify
-attention itself: the kernels emit it per page
-(``kernels.segment_attention(..., page_size=P)``, Triton and twin), so choosing costs no second
-pass over the full cache, only gathering the chosen pages' K and V into the view.
+attention itself: the kernels emit it per page (``kernels.segment_attention(..., page_size=P)``,
+Triton and twin), so choosing costs no second pass over the full cache, only gathering the chosen
+pages' K and V into the view.
 
 Before the first choice the static part is SnapKV's (the prompt scored by its last ``window``
 queries, sinks kept). A row whose context still fits the view (static part + window) keeps every
