@@ -273,20 +273,27 @@ def test_default_acceptance_values_and_shape():
 
 
 def test_verified_prior_grows_with_the_share_of_the_context_the_generation_wrote():
-    # Where the context is the prompt (measured level with SnapKV), SnapKV's prior; its lead grows
-    # with the generated share and is whole from a quarter of the context on (long generations).
+    # Where the context is the prompt (measured 0.05-0.07 above SnapKV since it chooses from the first
+    # verification), SnapKV's prior plus the prompt's lead; the lead grows with the generated share and
+    # is whole from a quarter of the context on (long generations).
+    from hf_magicdec.planner.acceptance import VERIFIED_PROMPT_LEAD
+
     snapkv = default_acceptance("snapkv", 256, 4096)
-    assert default_acceptance("verified", 256, 4096) == pytest.approx(snapkv)  # prompt unknown: all prompt
-    assert default_acceptance("verified", 256, 4096, prompt_len=4096) == pytest.approx(snapkv)
-    assert default_acceptance("verified", 256, 4096, prompt_len=3584) == pytest.approx(snapkv + 0.08 * 0.5)
+    on_prompt = snapkv + VERIFIED_PROMPT_LEAD
+    assert VERIFIED_PROMPT_LEAD == pytest.approx(0.05)
+    assert default_acceptance("verified", 256, 4096) == pytest.approx(on_prompt)  # prompt unknown: all prompt
+    assert default_acceptance("verified", 256, 4096, prompt_len=4096) == pytest.approx(on_prompt)
+    assert default_acceptance("verified", 256, 4096, prompt_len=3584) == pytest.approx((on_prompt + 0.93) / 2)
     assert default_acceptance("verified", 256, 4096, prompt_len=3072) == pytest.approx(0.93)
     assert default_acceptance("verified", 256, 4096, prompt_len=256) == pytest.approx(0.93)
     assert default_acceptance("verified@int8", 256, 4096, prompt_len=256) == pytest.approx(0.93 - 0.06)
+    # Budget and context move it as they move every view.
+    assert default_acceptance("verified", 128, 4096) == pytest.approx(on_prompt - 0.05)
     # Other views do not depend on it.
     for view in ("snapkv", "streamingllm"):
         assert default_acceptance(view, 256, 4096, prompt_len=256) == default_acceptance(view, 256, 4096)
     assert resolve_acceptance(None, "verified", 256, 4096, 256) == pytest.approx(0.93)
-    assert resolve_acceptance({"snapkv": 0.5}, "verified", 256, 4096, 4096) == pytest.approx(snapkv)
+    assert resolve_acceptance({"snapkv": 0.5}, "verified", 256, 4096, 4096) == pytest.approx(on_prompt)
     with pytest.raises(ValueError, match="prompt_len"):
         default_acceptance("verified", 256, 4096, prompt_len=-1)
 

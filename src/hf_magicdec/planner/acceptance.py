@@ -12,7 +12,8 @@ import math
 from typing import Any, Mapping
 
 __all__ = ["default_acceptance", "resolve_acceptance", "BASE_ACCEPTANCE", "DRAFT_MODEL_ACCEPTANCE",
-           "DRAFT_MODEL_PREFIX", "QUANTIZED_ACCEPTANCE_DROP", "VERIFIED_WRITTEN_SHARE", "WEIGHTS_SEPARATOR"]
+           "DRAFT_MODEL_PREFIX", "QUANTIZED_ACCEPTANCE_DROP", "VERIFIED_PROMPT_LEAD", "VERIFIED_WRITTEN_SHARE",
+           "WEIGHTS_SEPARATOR"]
 
 #: α at a budget of 256 tokens or more and a context of 4K tokens or less. ``verified`` (the view
 #: chosen by the verify pass's attention) earns its lead where the generation wrote much of the
@@ -22,17 +23,20 @@ __all__ = ["default_acceptance", "resolve_acceptance", "BASE_ACCEPTANCE", "DRAFT
 #: docs/benchmarks.md). Where the context is the prompt it is level with SnapKV: with int8 draft
 #: weights at budget 256 and 128 new tokens, 0.912 vs 0.884 at 8 × 1K, 0.892 vs 0.928 at 8 × 2K,
 #: 0.797 vs 0.801 over four batches of 8 × 4K, 0.897 vs 0.858 at 8 × 7,936 (at budget 128 and
-#: 8 × 1K it led, 0.818 vs 0.697: a prior on the share alone misses that). So its base is 0.93
-#: once the generation wrote :data:`VERIFIED_WRITTEN_SHARE` of the context or more, SnapKV's below,
-#: in proportion (see :func:`default_acceptance`). Those prompt-only figures predate ``verified``
-#: choosing from the first verification; since then it leads SnapKV there too (over eight batches,
-#: budget 256: 0.889 vs 0.836 at 8 × 4K fp16, 0.836 vs 0.787 int8, 0.819 vs 0.747 at 8 × 2K fp16),
-#: so this prior undersells it where the context is the prompt; not re-tuned yet (docs/benchmarks.md,
-#: "Choosing from the first verification").
+#: 8 × 1K it led, 0.818 vs 0.697: a prior on the share alone misses that). Those prompt-only figures
+#: predate ``verified`` choosing from the first verification; since then it leads SnapKV there too
+#: (over eight batches, budget 256: 0.889 vs 0.836 at 8 × 4K fp16, 0.883 vs 0.829 over eight more,
+#: 0.836 vs 0.787 int8, 0.819 vs 0.747 at 8 × 2K fp16; docs/benchmarks.md, "Choosing from the first
+#: verification"). So its prior is SnapKV's plus :data:`VERIFIED_PROMPT_LEAD` where the context is
+#: the prompt, 0.93 once the generation wrote :data:`VERIFIED_WRITTEN_SHARE` of the context or more,
+#: in proportion between (see :func:`default_acceptance`).
 BASE_ACCEPTANCE = {"streamingllm": 0.80, "snapkv": 0.85, "verified": 0.93}
+#: ``verified``'s lead over SnapKV where the context is all prompt: the smaller of the leads measured
+#: there (0.05 at 8 × 4K with either weight format, 0.07 at 8 × 2K).
+VERIFIED_PROMPT_LEAD = 0.05
 _OTHER = 0.80  # views without their own prior (user-registered ones)
 #: Share of the context written by the generation from which ``verified`` gets its full prior. Nothing
-#: was measured between a few per cent (level with SnapKV) and a half (the full lead); a quarter keeps
+#: was measured between a few per cent (the prompt's lead) and a half (the full lead); a quarter keeps
 #: the choice measured right at 8 × 256 → 512 (``verified`` 1.43x plain decoding, SnapKV 1.16x),
 #: which a half would hand to SnapKV.
 VERIFIED_WRITTEN_SHARE = 0.25
@@ -65,9 +69,9 @@ def default_acceptance(draft: str, budget: int, context: float, prompt_len: floa
     ``α = base(draft) − 0.05·log2(256 / K)⁺ − 0.0125·log2(S / 4096)⁺``, clipped to
     [0.05, 0.99], where ``base`` is 0.80 for ``streamingllm``, 0.85 for ``snapkv`` (which beats
     StreamingLLM at the same budget in MagicDec §4) and 0.80 for other views; for ``verified``,
-    SnapKV's 0.85 plus 0.08·min(1, w / 0.25), where ``w = (S − P) / S`` is the share of the context
-    the generation wrote (measured level with SnapKV where the context is the prompt, 0.93 and
-    above on long generations); ``K`` is the budget and ``S`` the context. So α is flat for
+    SnapKV's 0.85 plus 0.05 + 0.03·min(1, w / 0.25), where ``w = (S − P) / S`` is the share of the
+    context the generation wrote (measured 0.05–0.07 above SnapKV where the context is the prompt,
+    0.93 and above on long generations); ``K`` is the budget and ``S`` the context. So α is flat for
     budgets ≥ 256, loses 0.05 per halving below, and falls slowly with context. A view that holds
     the whole context (``K ≥ S``) or the ``full`` sanity view sees everything: 0.99. A self-draft
     on quantized weights (``"<view>@int8"``, ``"<view>@fp16"``, ``"<view>@int4"``) loses
@@ -114,7 +118,8 @@ def default_acceptance(draft: str, budget: int, context: float, prompt_len: floa
     if draft == "verified":
         written = 0.0 if prompt_len is None else max(0.0, context - prompt_len) / context
         lead = BASE_ACCEPTANCE["verified"] - BASE_ACCEPTANCE["snapkv"]
-        alpha = BASE_ACCEPTANCE["snapkv"] + lead * min(1.0, written / VERIFIED_WRITTEN_SHARE)
+        alpha = BASE_ACCEPTANCE["snapkv"] + VERIFIED_PROMPT_LEAD
+        alpha += (lead - VERIFIED_PROMPT_LEAD) * min(1.0, written / VERIFIED_WRITTEN_SHARE)
     alpha -= _PER_BUDGET_HALVING * max(0.0, math.log2(_REF_BUDGET / budget))
     alpha -= _PER_CONTEXT_DOUBLING * max(0.0, math.log2(context / _REF_CONTEXT))
     return min(_CEIL, max(_FLOOR, alpha))
