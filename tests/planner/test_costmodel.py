@@ -287,7 +287,7 @@ def test_verified_prior_grows_with_the_share_of_the_context_the_generation_wrote
     assert default_acceptance("verified", 256, 4096, prompt_len=3072) == pytest.approx(0.93)
     assert default_acceptance("verified", 256, 4096, prompt_len=256) == pytest.approx(0.93)
     assert default_acceptance("verified@int8", 256, 4096, prompt_len=256) == pytest.approx(0.93 - 0.06)
-    # Budget and context move it as they move every view.
+    # The budget moves it as it moves every view.
     assert default_acceptance("verified", 128, 4096) == pytest.approx(on_prompt - 0.05)
     # Other views do not depend on it.
     for view in ("snapkv", "streamingllm"):
