@@ -107,6 +107,25 @@ def test_greedy_identical_with_eos_and_processors(tiny_models, arch, draft):
         _assert_same(reference, out, f"{arch}/{draft}/gamma={gamma}/eos+processors")
 
 
+@pytest.mark.parametrize("processors", [dict(min_new_tokens=9), dict(min_length=49),
+                                        dict(min_new_tokens=6, min_length=50)])
+def test_greedy_identical_with_length_processors_on_the_device(tiny_models, processors):
+    """``min_new_tokens`` / ``min_length`` beside an EOS are applied per position from its own row
+    length, on the device (ragged rows: each reaches the bound at its own step)."""
+    model = tiny_models("llama-gqa3")
+    ids, mask = ragged_prompts(batch=5, length=40, seed=11)
+    kwargs = dict(input_ids=ids, attention_mask=mask, max_new_tokens=24, do_sample=False, pad_token_id=0)
+    plain = model.generate(**kwargs, eos_token_id=None)
+    eos = int(plain[0, 40 + 2])  # row 0 emits it early: the processors must hide it there
+    kwargs["eos_token_id"] = [eos, EOS]
+    reference = model.generate(**kwargs, **processors)
+    assert not torch.equal(reference, model.generate(**kwargs)), "test setup: the processors must change the output"
+    for gamma in (1, 4):
+        out = model.generate(**kwargs, **processors, speculative="magicdec", draft="streamingllm", draft_budget=20,
+                             sink_tokens=2, gamma=gamma)
+        _assert_same(reference, out, f"{processors}/gamma={gamma}")
+
+
 @pytest.mark.parametrize("arch", ["llama-gqa3"])
 def test_greedy_identical_long_batch(tiny_models, arch):
     """More rows than before, long enough generations that the rolling window wraps many times."""

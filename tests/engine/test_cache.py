@@ -154,11 +154,11 @@ def test_dropped_rows_keep_state_aligned():
     cache = _prefilled()
     config = MagicDecConfig.from_any(draft="streamingllm", draft_budget=10, sink_tokens=3, gamma=2)
     cache.build_draft_views(config.view, config.draft_budget, config.gamma, 20, max_new_tokens=8)
-    before, view = cache.layers[0].keys[2].clone(), cache.layers[0].draft.keys[2].clone()
+    before, view = cache.layers[0].keys[2].clone(), cache.layers[0].draft_keys[2].clone()
     valid = cache.draft_valid()[2].clone()
-    order, _ = cache.drop_rows((False, True, False))  # row 2 takes row 1's place
+    order = cache.drop_rows((False, True, False))  # row 2 takes row 1's place
     assert order.tolist()[:2] == [0, 2] and cache.num_rows == 2 and cache.pad.tolist() == [0, 12]
-    assert torch.equal(cache.layers[0].keys[1], before) and torch.equal(cache.layers[0].draft.keys[1], view)
+    assert torch.equal(cache.layers[0].keys[1], before) and torch.equal(cache.layers[0].draft_keys[1], view)
     assert cache.draft_valid().shape == (2, 10) and torch.equal(cache.draft_valid()[1], valid)
 
 
@@ -182,47 +182,51 @@ def test_row_moves_fill_holes_from_the_end(finished, order):
 def test_finished_rows_leave_in_place(keep_finished):
     # What the loop does when rows finish: the kept rows end up in the front of the same buffers,
     # in the returned order, equal to a plain row selection in the full KV's filled slots and in
-    # the draft views; handed back, the finished rows' KV is returned as it was, without a copy.
+    # the draft views; handed back, the finished rows' KV is returned as it was.
     cache = _prefilled(layers=3)
     config = MagicDecConfig.from_any(draft="streamingllm", draft_budget=10, sink_tokens=3, gamma=2)
     cache.build_draft_views(config.view, config.draft_budget, config.gamma, 20, max_new_tokens=8)
-    before = [(layer.keys.clone(), layer.draft.keys.clone()) for layer in cache.layers]
-    storage = [(layer.keys.data_ptr(), layer.values.data_ptr(), layer.draft.keys.data_ptr()) for layer in cache.layers]
-    order, gone = cache.drop_rows((True, False, False), max_length=20, keep_finished=keep_finished)
+    before = [(layer.keys.clone(), layer.draft_keys.clone()) for layer in cache.layers]
+    storage = [(layer.keys.data_ptr(), layer.values.data_ptr(), layer.draft_keys.data_ptr()) for layer in cache.layers]
+    order = cache.drop_rows((True, False, False), max_length=20, keep_finished=keep_finished)
     assert order.tolist() == [2, 1, 0]
-    assert cache.num_rows == 2 and cache.pad.tolist() == [12, 5]
+    assert cache.num_rows == 2 and cache.pad.tolist() == [12, 5] and cache.row_ids.tolist() == [2, 1]
     for i, layer in enumerate(cache.layers):
         full, draft = before[i]
-        assert (layer.keys.data_ptr(), layer.values.data_ptr(), layer.draft.keys.data_ptr()) == storage[i]
-        assert torch.equal(layer.keys[:, :, :20], full[[2, 1], :, :20]) and torch.equal(layer.draft.keys, draft[[2, 1]])
+        assert (layer.keys.data_ptr(), layer.values.data_ptr(), layer.draft_keys.data_ptr()) == storage[i]
+        assert torch.equal(layer.keys[:, :, :20], full[[2, 1], :, :20]) and torch.equal(layer.draft_keys, draft[[2, 1]])
         assert torch.isfinite(layer.keys).all()
-        if keep_finished:
-            keys, values = gone[1][i]
-            assert keys.data_ptr() == storage[i][0] + 2 * layer.keys[0].numel() * keys.element_size()
-            assert torch.equal(keys, full[[0], :, :20]) and torch.equal(values, full[[0], :, :20])
-    assert gone is None if not keep_finished else gone[0].tolist() == [20]
+    if keep_finished:
+        kv, filled = cache.committed_kv(3, 20)
+        assert filled.tolist() == [20, 20, 20]
+        for i, (keys, _) in enumerate(kv):
+            assert torch.equal(keys, before[i][0][:, :, :20])
 
 
-@pytest.mark.parametrize("filled", [None, 5])
+def test_stacked_layers_share_one_buffer_and_commit_once():
+    # Every layer of one device and head shape is a view of one stacked buffer, so what happens
+    # between forwards is one copy for all of them, at any depth.
+    cache = _prefilled(layers=5)
+    config = MagicDecConfig.from_any(draft="streamingllm", draft_budget=10, sink_tokens=3, gamma=2)
+    cache.build_draft_views(config.view, config.draft_budget, config.gamma, 20, max_new_tokens=8)
+    (stack,) = cache.stacks
+    assert stack.layers == list(range(5)) and stack.keys.shape[0] == 5
+    for j, layer in enumerate(cache.layers):
+        assert layer.keys.data_ptr() == stack.keys[j].data_ptr()
+        assert layer.draft_keys.data_ptr() == stack.draft_keys[j].data_ptr()
+
+
 @pytest.mark.parametrize("swap", [False, True])
-def test_move_rows_moves_only_filled_slots(filled, swap):
-    from hf_magicdec.engine.cache.buffers import move_rows
+def test_stack_move_rows_moves_only_filled_slots(swap):
+    from hf_magicdec.engine.cache.store import LayerStack
 
-    buffer = torch.randn(5, 2, 7, 3)
-    before = buffer.clone()
-    move_rows(buffer, torch.tensor([0, 2]), torch.tensor([3, 4]), filled, swap)
-    span = slice(None) if filled is None else slice(0, filled)
-    assert torch.equal(buffer[[0, 2], :, span], before[[3, 4], :, span])
-    assert torch.equal(buffer[1], before[1])
+    keys, values = torch.randn(2, 5, 2, 7, 3), torch.randn(2, 5, 2, 7, 3)
+    before = keys.clone()
+    stack = LayerStack([0, 1], keys, values)
+    stack.move_rows(torch.tensor([0, 2]), torch.tensor([3, 4]), kept=3, filled=5, swap=swap)
+    assert stack.rows == 3
+    assert torch.equal(keys[:, [0, 2], :, :5], before[:, [3, 4], :, :5])
+    assert torch.equal(keys[:, 1], before[:, 1])
     if swap:
-        assert torch.equal(buffer[[3, 4], :, span], before[[0, 2], :, span])
-    if filled is not None:
-        assert torch.equal(buffer[:, :, filled:], before[:, :, filled:])
-
-
-def test_crop_and_beam_reorder_refuse():
-    cache = _prefilled()
-    with pytest.raises(NotImplementedError):
-        cache.crop(3)
-    with pytest.raises(NotImplementedError):
-        cache.reorder_cache(torch.tensor([0, 1, 2]))
+        assert torch.equal(keys[:, [3, 4], :, :5], before[:, [0, 2], :, :5])
+    assert torch.equal(keys[:, :, :, 5:], before[:, :, :, 5:])

@@ -25,7 +25,6 @@ from hf_magicdec.engine.cache import buffers as cache_mod
 from hf_magicdec.engine.cache.buffers import grown_capacity, initial_capacity
 from hf_magicdec.engine.cache import MagicDecCache
 from hf_magicdec import shared_prefill
-from hf_magicdec.engine.loop import Engine
 
 VIEWS = {
     "streamingllm": dict(draft_budget=16, sink_tokens=4),
@@ -164,25 +163,19 @@ def test_rows_that_left_early_are_handed_back_across_growths(model, tiny_growth)
     plain = model.generate(**kwargs, eos_token_id=None).sequences
     kwargs["eos_token_id"] = [int(plain[0, 32 + 6]), EOS]
     reference = model.generate(**kwargs)
-    # When the cache grows, no handed-back row may still view the buffers being replaced: else
-    # every layer's old buffer would outlive its replacement (a whole second cache at the peak).
+    # Once the cache has grown, no handed-back row may still view the buffers it replaced: else
+    # those would outlive their replacement (a whole second cache at the peak).
     views_at_growth = []
-    engines = []
-    original_init = Engine.__init__
-
-    def init(self, *args, **kw):
-        original_init(self, *args, **kw)
-        engines.append(self)
 
     def reserve(cache, slots, _reserve=MagicDecCache.reserve):
-        if slots > cache.capacity and engines:
-            buffers = {layer.keys.untyped_storage().data_ptr() for layer in cache.layers if layer.is_initialized}
-            kept = [k for _, _, kv in engines[-1]._finished_kv for k, _ in kv]
-            views_at_growth.append((len(kept), sum(k.untyped_storage().data_ptr() in buffers for k in kept)))
-        return _reserve(cache, slots)
+        old = {b.untyped_storage().data_ptr() for stack in cache.stacks for b in stack.buffers()}
+        grew = _reserve(cache, slots)
+        if grew:
+            kept = [k for gone in cache._finished for k, _ in gone.kv]
+            views_at_growth.append((len(kept), sum(k.untyped_storage().data_ptr() in old for k in kept)))
+        return grew
 
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(Engine, "__init__", init)
         patch.setattr(MagicDecCache, "reserve", reserve)
         out = model.generate(**kwargs, speculative="magicdec", draft="streamingllm", gamma=3, **VIEWS["streamingllm"])
     assert torch.equal(reference.sequences, out.sequences)

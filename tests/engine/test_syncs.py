@@ -5,9 +5,10 @@ methods that read device memory on the host (``item``, ``tolist``, ``__bool__``,
 ``nonzero``); on a GPU ``torch.cuda.set_sync_debug_mode`` would flag the same places.
 
 Options that add reads (docs/kernels.md, "Host reads"): logits processors that depend on the tokens
-or the position (repetition penalty, min_new_tokens, n-gram bans …: one call per distinct row
-length), stopping criteria of the user's and ``stop_strings``, ``refresh_every`` / ``refresh_below``,
-``output_scores`` / ``output_logits`` and a streamer (per emitted token)."""
+(repetition penalty, n-gram bans …: one call per distinct row length; ``min_length`` and
+``min_new_tokens`` are applied on the device), stopping criteria of the user's and
+``stop_strings``, ``refresh_every`` / ``refresh_below``, ``output_scores`` / ``output_logits`` and
+a streamer (per emitted token)."""
 
 from __future__ import annotations
 
@@ -58,6 +59,8 @@ CASES = {
     "adaptive γ, no EOS": dict(gamma="auto", adaptive_gamma=True, eos_token_id=None),
     "sampling": dict(gamma=3, do_sample=True, temperature=0.8, top_k=20, top_p=0.9),  # row-local warpers
     "int8 draft weights": dict(gamma=3, draft_weights="int8"),
+    # Length-dependent processors transformers ships, each position checked against its own length.
+    "min_new_tokens and min_length": dict(gamma=3, min_new_tokens=12, min_length=30),
     # The verification-guided view re-chooses its static part after every verification, masked.
     "verified, adaptive γ": dict(draft="verified", draft_budget=24, page_size=4, recent_window=6,
                                  gamma="auto", adaptive_gamma=True),

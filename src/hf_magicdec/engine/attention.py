@@ -111,8 +111,9 @@ def magicdec_attention_forward(
     which the engine sets around its forwards in its own thread); its open forward
     (:mod:`hf_magicdec.engine.cache.forwards`) records the observation-window queries SnapKV scores
     with during prefill, and during draft and verify describes each row's key ranges
-    (:class:`~hf_magicdec.kernels.Segments`), which the kernels read instead of the 4-D mask. Without it the call is not the engine's, and
-    goes to the model's own attention implementation.
+    (:class:`~hf_magicdec.kernels.Segments`), which the kernels read instead of the 4-D mask (the
+    model is handed a placeholder, :meth:`~hf_magicdec.engine.cache.Forward.model_mask`). Without it
+    the call is not the engine's, and goes to the model's own attention implementation.
 
     ``softcap`` (logits become ``softcap·tanh(logits/softcap)``) and ``s_aux`` (``[H]`` sink logits
     in the softmax denominator) are honoured; ``sliding_window`` must cover the whole generation.
@@ -141,9 +142,10 @@ def magicdec_attention_forward(
     segments = forward.segments(key.device)
     if segments is not None:
         forward.before_attention(layer_idx, query, scaling)  # dynamic view / refresh
-        if attention_mask is not None and not segments.built(attention_mask):
-            # The model rewrote the mask it was given (Doge's dynamic mask adds per-key biases):
-            # honour it as stock attention would, provided it still hides every slot the row's key
+        if attention_mask is not None and not forward.passed(attention_mask):
+            # The model rewrote the mask it was given (Doge's dynamic mask adds per-key biases;
+            # prefill noticed, so it was given the real mask, :meth:`Forward.model_mask`): honour
+            # it as stock attention would, provided it still hides every slot the row's key
             # ranges hide (stale drafts, other rows' padding); anything else cannot be right.
             _check_rewritten_mask(module, attention_mask, segments.mask(query.shape[2], key.shape[2]))
             return gqa_attention(query, key, value, attention_mask[..., : key.shape[2]], scaling, softcap,
@@ -156,6 +158,8 @@ def magicdec_attention_forward(
             return out, None
         return kernels.segment_attention(query, key, value, segments, scale, softcap, sinks), None
     forward.observe(layer_idx, query, scaling)
+    if attention_mask is not None and not forward.passed(attention_mask):
+        magicdec_cache.real_masks = True  # see Forward.model_mask
     return gqa_attention(query, key, value, attention_mask, scaling, softcap, sinks), None
 
 

@@ -12,7 +12,7 @@ context. :func:`check_cache` refuses, before any forward, a cache that does not 
 or a cache the user passed in, which it extends in place) holding every token of the returned
 sequences but the last. Its rows all have that length: a row that finished early kept decoding pad
 tokens after its end, whose KV stock computed. The engine's rows are ragged and nothing of a
-rejected draft is committed, so :func:`committed_kv` lays out each row's committed KV, and
+rejected draft is committed, so :meth:`MagicDecCache.committed_kv` lays out each row's committed KV, and
 :func:`fill_tails` computes what stock would hold after a row's end (one forward of the missing
 tokens, as stock computes them). :func:`hand_back` then fills the cache object like stock's.
 
@@ -35,7 +35,7 @@ from ..parallel.lockstep import tp_size
 from .cache import MagicDecCache
 from .steps import forward_cache_kwarg, num_layers
 
-__all__ = ["Continuation", "check_cache", "committed_kv", "fill_tails", "hand_back", "outlives_call"]
+__all__ = ["Continuation", "check_cache", "fill_tails", "hand_back", "outlives_call"]
 
 _DYNAMIC = (DynamicLayer, DynamicSlidingWindowLayer)
 _STATIC = (StaticLayer, StaticSlidingWindowLayer)
@@ -165,39 +165,6 @@ def _check_layer(i: int, layer, length: int, batch: int, heads: int | None) -> N
               "every token (no sliding-window eviction).")
 
 
-def committed_kv(cache: MagicDecCache, rows: torch.Tensor, finished: list, batch: int, total: int
-                 ) -> tuple[LayerKV, torch.Tensor]:
-    """Every row's committed KV laid out as stock's cache: ``(per layer (keys, values)
-    [batch, Hkv, total, D], filled [batch])`` where row ``b`` holds its KV in slots
-    ``[0, filled[b])`` (zeros after).
-
-    ``rows [k]`` are the original rows still in ``cache``; ``finished`` the ``(rows, lengths, kv)``
-    of rows that left it earlier (:meth:`MagicDecCache.drop_rows`). ``cache``'s full KV is
-    released layer by layer as it is copied, so the peak is one layer above the engine's cache.
-    """
-    device = cache.lengths.device
-    filled = torch.zeros(batch, dtype=torch.long, device=device)
-    filled[rows.to(device)] = cache.lengths.clamp(max=total)
-    for gone, lengths, _ in finished:
-        filled[gone.to(device)] = lengths.to(device).clamp(max=total)
-    out: LayerKV = []
-    for i, layer in enumerate(cache.layers):
-        pieces = [(rows, layer.keys, layer.values)] + [(gone, kv[i][0], kv[i][1]) for gone, _, kv in finished]
-        ref = layer.keys
-        keys = ref.new_zeros((batch, ref.shape[1], total, ref.shape[-1]))
-        values = layer.values.new_zeros((batch, layer.values.shape[1], total, layer.values.shape[-1]))
-        for where, k, v in pieces:
-            n = min(k.shape[2], total)
-            where = where.to(keys.device)
-            keys[where, :, :n] = k[:, :, :n].to(keys.device)
-            values[where, :, :n] = v[:, :, :n].to(values.device)
-        layer.release()  # this layer of the working cache is no longer needed (the engine's cache is spent)
-        for _, _, kv in finished:
-            kv[i] = None
-        out.append((keys, values))
-    return out, filled
-
-
 def fill_tails(model, kv: LayerKV, filled: torch.Tensor, sequences: torch.Tensor, pad: torch.Tensor,
                lockstep) -> None:
     """Fill slots ``[filled[b], S)`` of every row of ``kv`` (``S`` = ``sequences.shape[1] - 1``) in
@@ -206,7 +173,7 @@ def fill_tails(model, kv: LayerKV, filled: torch.Tensor, sequences: torch.Tensor
 
     Parameters
     ----------
-    kv : per layer ``(keys, values) [B, Hkv, S, D]`` (:func:`committed_kv`).
+    kv : per layer ``(keys, values) [B, Hkv, S, D]`` (:meth:`MagicDecCache.committed_kv`).
     filled : ``[B]`` KV slots each row holds.
     sequences : ``[B, S + 1]`` the returned sequences (left padding, then tokens, then pad).
     pad : ``[B]`` left-padding slots of each row.

@@ -225,7 +225,7 @@ class ModelDrafter:
             else:
                 positions = (base + i)[:, None]
                 forward = cache.begin_draft(i + 1, 1, skip)
-            return call(cache, tok, positions, forward.forward_mask(), logits_to_keep=1)[:, -1].float()
+            return call(cache, tok, positions, forward.model_mask(), logits_to_keep=1)[:, -1].float()
 
         return step
 

@@ -30,7 +30,7 @@ import torch
 
 from ..parallel.lockstep import LOCAL, Lockstep
 from .cache import CacheOptions, initial_capacity
-from .continuation import Continuation, LayerKV, committed_kv, fill_tails
+from .continuation import Continuation, LayerKV, fill_tails
 from .drafters import Drafter, new_cache
 from .gamma import FixedGamma
 from .observers import Observer, profile_sync
@@ -98,8 +98,6 @@ class Engine:
         self.past = Continuation(None)
         self._final: _Rows | None = None
         self._pad: torch.Tensor | None = None  # [B] left padding of every original row
-        self._finished_kv: list = []  # (rows, lengths, kv) of rows that left the batch, kept for the hand-back
-        self._finished_copied = 0  # of those, the first this many no longer view the working cache
 
     def run(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
             position_ids: torch.Tensor | None, past: Continuation | None = None) -> torch.Tensor:
@@ -251,24 +249,15 @@ class Engine:
             return
         # In place: finished rows among the first `alive` take alive rows from the end. Handed
         # back, their KV stays where it is (swapped to the end) until the hand-back reads it.
-        order, gone = self.cache.drop_rows(last.finished_rows, last.longest_alive, keep_finished=self.past.outlives)
+        order = self.cache.drop_rows(last.finished_rows, last.longest_alive, keep_finished=self.past.outlives)
         order = order.to(b.rows.device)
-        if gone is not None:
-            self._finished_kv.append((b.rows[order[alive:]], *gone))
         b.rows, b.dead = b.rows[order[:alive]], b.dead.new_zeros(alive)
         self.drafter.drop_rows(last.finished_rows, order[:alive])
 
     def _make_room(self, b: _Rows, gamma: int) -> torch.Tensor:
         """Grow the cache for this step (verify writes slots ``[C, C + γ + 1)`` and the next emission
         tokens up to ``C + γ + 1``; ``C`` mirrored on the host); returns the pending tokens ``[b]``."""
-        needed = self.cache.max_length() + gamma + 2
-        if needed > self.cache.capacity:
-            # Finished rows kept for the hand-back are views of the buffers about to be replaced:
-            # copied first, each layer's old buffer goes as soon as its new one is filled.
-            for _, _, kv in self._finished_kv[self._finished_copied:]:
-                kv[:] = [(k.clone(), v.clone()) for k, v in kv]
-            self._finished_copied = len(self._finished_kv)
-        if self.cache.reserve(needed):
+        if self.cache.reserve(self.cache.max_length() + gamma + 2):
             b.tokens.reserve(self.cache.capacity)
         return b.tokens.tokens[b.rows, b.seq_len[b.rows] - 1]
 
@@ -298,9 +287,7 @@ class Engine:
         was prefilled (no new token). Spends the working cache; only with ``past.outlives``."""
         if self.cache is None:
             return None
-        kv, filled = committed_kv(self.cache, self._final.rows, self._finished_kv, sequences.shape[0],
-                                  sequences.shape[1] - 1)
-        self._finished_kv, self._finished_copied = [], 0
+        kv, filled = self.cache.committed_kv(sequences.shape[0], sequences.shape[1] - 1)
         fill_tails(self.call.model, kv, filled, sequences, self._pad, self.lockstep)
         return kv
 

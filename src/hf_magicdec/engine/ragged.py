@@ -7,14 +7,17 @@ distinct context length ``L`` we call them once on the *full original batch* tru
 and keep the rows whose context really has length ``L``. Rows not involved in a call see a
 prefix of their own tokens; their outputs are discarded. With no processor at all (plain greedy)
 nothing is called. Sampling warpers that read only the scores of their own row (temperature,
-top-k, top-p, min-p, typical, epsilon, eta) need none of that: when every processor is one of
-them, all positions are processed in one call, without reading the device on the host.
+top-k, top-p, min-p, typical, epsilon, eta) need none of that, nor do the processors that depend
+on a row's length alone (``min_length`` and ``min_new_tokens`` beside an EOS, which hide the EOS
+below a length): when every processor is one of those, all positions are processed at once on
+the device, each length-dependent one from every position's own length, without a host read.
 """
 
 from __future__ import annotations
 
 import torch
-from transformers.generation.logits_process import (EpsilonLogitsWarper, EtaLogitsWarper, MinPLogitsWarper,
+from transformers.generation.logits_process import (EpsilonLogitsWarper, EtaLogitsWarper, MinLengthLogitsProcessor,
+                                                    MinNewTokensLengthLogitsProcessor, MinPLogitsWarper,
                                                     TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper,
                                                     TypicalLogitsWarper)
 from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria
@@ -23,6 +26,18 @@ from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengt
 #: position or the batch), exactly: safe to apply to every ragged position at once.
 ROW_LOCAL_PROCESSORS = (TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper, MinPLogitsWarper,
                         TypicalLogitsWarper, EpsilonLogitsWarper, EtaLogitsWarper)
+
+#: Processors whose output for a row depends on its scores and its length alone: they hide the
+#: EOS tokens while the row is shorter than a bound (``min_length``, or the prompt plus
+#: ``min_new_tokens``), which every position can check against its own length on the device.
+LENGTH_PROCESSORS = (MinLengthLogitsProcessor, MinNewTokensLengthLogitsProcessor)
+
+
+def _length_bound(processor) -> int:
+    """The row length below which ``processor`` hides the EOS tokens."""
+    if type(processor) is MinLengthLogitsProcessor:
+        return processor.min_length
+    return processor.prompt_length_to_skip + processor.min_new_tokens
 
 
 class RaggedBatch:
@@ -46,8 +61,9 @@ class RaggedBatch:
         criteria = list(stopping_criteria) if stopping_criteria is not None else []
         self.generic_criteria = [c for c in criteria if not isinstance(c, (MaxLengthCriteria, EosTokenCriteria))]
         self.has_eos_criteria = any(hasattr(c, "eos_token_id") for c in criteria)
-        # Exact types: a subclass may read more than its row's scores.
-        self.row_local = all(type(p) in ROW_LOCAL_PROCESSORS for p in self.processors)
+        # Exact types: a subclass may read more than its row's scores and length.
+        self.per_row = all(type(p) in ROW_LOCAL_PROCESSORS + LENGTH_PROCESSORS for p in self.processors)
+        self._eos_masks: dict = {}  # per length processor: [V] bool, its EOS tokens
 
     def reserve(self, capacity: int) -> None:
         """Make the token buffer hold at least ``capacity`` slots per row (copying what it holds)."""
@@ -75,9 +91,8 @@ class RaggedBatch:
         if len(self.processors) == 0:
             return logits
         b, n, vocab = logits.shape
-        if self.row_local:
-            no_tokens = self.tokens.new_empty((b * n, 0))
-            return self.processors(no_tokens, logits.reshape(b * n, vocab)).reshape(b, n, vocab)
+        if self.per_row:
+            return self._process_per_row(context_len, logits)
         out = torch.empty_like(logits)
         lengths = context_len[:, None] + torch.arange(n, device=context_len.device)  # [b, n]
         lengths_host = lengths.tolist()
@@ -95,6 +110,30 @@ class RaggedBatch:
             processed = self.processors(self.tokens[:, :length], scores)
             out[local, pos] = processed[global_rows]
         return out
+
+    def _process_per_row(self, context_len: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+        """Every position at once, in the processors' order (see :data:`LENGTH_PROCESSORS`)."""
+        b, n, vocab = logits.shape
+        scores = logits.reshape(b * n, vocab)
+        no_tokens = self.tokens.new_empty((b * n, 0))
+        length = None
+        for processor in self.processors:
+            if type(processor) in ROW_LOCAL_PROCESSORS:
+                scores = processor(no_tokens, scores)
+                continue
+            if length is None:  # [b * n] the context each position is scored after
+                length = (context_len[:, None] + torch.arange(n, device=context_len.device)).reshape(-1, 1)
+            eos = self._eos_mask(processor, vocab, scores.device)
+            below = length.to(scores.device) < _length_bound(processor)
+            scores = scores.masked_fill(below & eos, float("-inf"))
+        return scores.reshape(b, n, vocab)
+
+    def _eos_mask(self, processor, vocab: int, device) -> torch.Tensor:
+        hit = self._eos_masks.get(id(processor))
+        if hit is None:
+            hit = torch.isin(torch.arange(vocab, device=device), processor.eos_token_id.to(device))[None, :]
+            self._eos_masks[id(processor)] = hit
+        return hit
 
     def stopped(
         self, rows: torch.Tensor, context_len: torch.Tensor, num_new: torch.Tensor

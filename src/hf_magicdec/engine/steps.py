@@ -93,12 +93,13 @@ class ModelCall:
         kwargs: dict[str, Any] = {"magicdec_cache": cache, self.cache_kwarg: cache}
         if self.keep_logits and logits_to_keep is not None:
             kwargs["logits_to_keep"] = logits_to_keep
-        if self.mask_per_layer_type:
-            mask = {"full_attention": mask, "sliding_attention": mask}
+        model_mask = {"full_attention": mask, "sliding_attention": mask} if self.mask_per_layer_type else mask
+        if cache.forward is not None:
+            cache.forward.given_mask = mask
         forward = self.model if eager or self.compiled is None else self.compiled
         # The context variable is set outside the compiled region (dynamo does not trace it).
         with attention.engine_forward(cache):
-            out = forward(input_ids=ids, position_ids=positions, attention_mask=mask, use_cache=True,
+            out = forward(input_ids=ids, position_ids=positions, attention_mask=model_mask, use_cache=True,
                           return_dict=True, **kwargs)
         logits = out.logits
         return logits[:, -1:] if logits_to_keep == 1 and logits.shape[1] != 1 else logits
@@ -130,7 +131,7 @@ def draft_step(call: ModelCall, cache: MagicDecCache, tok: torch.Tensor, step: i
     or the previous draft) at each row's next position; float logits ``[b, V]``."""
     forward = cache.begin_draft(step)
     positions = (cache.lengths - cache.pad + step)[:, None]
-    return call(cache, tok, positions, forward.forward_mask(), logits_to_keep=1)[:, -1].float()
+    return call(cache, tok, positions, forward.model_mask(), logits_to_keep=1)[:, -1].float()
 
 
 def verify_step(call: ModelCall, cache: MagicDecCache, pending: torch.Tensor, drafts: torch.Tensor) -> torch.Tensor:
@@ -140,4 +141,4 @@ def verify_step(call: ModelCall, cache: MagicDecCache, pending: torch.Tensor, dr
     forward = cache.begin_verify(q)
     positions = cache.lengths[:, None] - cache.pad[:, None] + torch.arange(q, device=pending.device)
     ids = torch.cat([pending[:, None], drafts], dim=1)
-    return call(cache, ids, positions, forward.forward_mask(), logits_to_keep=0).float()
+    return call(cache, ids, positions, forward.model_mask(), logits_to_keep=0).float()

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from .base import DraftView, ScoreContext, ViewCache
+from .base import CacheHook, DraftView, ScoreContext, ViewCache
 from .dynamic import Dynamic, PageSelection
 from .full import Full
 from .snapkv import SnapKV, snapkv_scores
@@ -92,6 +92,7 @@ for _view in (StreamingLLM, SnapKV, Full, Dynamic, Verified):
     register_view(_view)
 
 __all__ = [
+    "CacheHook",
     "DraftView",
     "Dynamic",
     "Full",

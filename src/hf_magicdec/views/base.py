@@ -57,21 +57,56 @@ class ViewCache(Protocol):
         ``static_candidates [B]`` …; :class:`~hf_magicdec.engine.cache.DraftGeometry`).
     pad, lengths : ``[B]`` left padding and committed slots of each row.
     layers : per layer, ``keys`` / ``values`` ``[B, Hkv, capacity, D]`` (the full KV).
+    layer_groups : the layers whose buffers are stacked together (same device and head shape), as
+        lists of layer indices: one :meth:`replace_static_group` serves a whole group.
     """
 
     geometry: Any
     pad: torch.Tensor
     lengths: torch.Tensor
     layers: Sequence[Any]
+    layer_groups: Sequence[Sequence[int]]
 
     def replace_static(self, layer_idx: int, slots: torch.Tensor, where: torch.Tensor, start: int = 0) -> None:
         """View slots ``[start, start + n)`` of layer ``layer_idx`` take the full KV at ``slots
         [B, Hkv, n]`` where ``where`` holds."""
 
+    def replace_static_group(self, group: int, slots: torch.Tensor, where: torch.Tensor, start: int = 0) -> None:
+        """As :meth:`replace_static` for every layer of ``layer_groups[group]`` at once: ``slots
+        [L, B, Hkv, n]`` in the group's layer order, ``where`` broadcastable to ``[B, Hkv, n]``."""
+
     def full_layout(self, rows: torch.Tensor) -> None:
         """Rows (``[B]`` bool) whose static part holds fewer than its slots (their prompt fitted the
         view) get the full layout: the window its own slots with the latest tokens; the static part
         is then the caller's to fill (``replace_static``)."""
+
+
+class CacheHook:
+    """Per-row state kept beside the engine's cache (a view's page summaries or chosen pages, the
+    refresh policy's query rings), attached with ``cache.attach(hook)``. The cache calls every
+    method below at the moment its docstring names; the defaults do nothing, so a hook overrides
+    only what it needs."""
+
+    def select_rows(self, rows: torch.Tensor) -> None:
+        """Rows left the batch: keep only ``rows [b']`` (indices into the current rows, in order)."""
+
+    def on_draft_query(self, cache: "ViewCache", layer_idx: int, query: torch.Tensor, scaling: float | None) -> None:
+        """Before the attention of layer ``layer_idx`` in a draft forward: ``query [B, H, q, D]``."""
+
+    def on_verify_query(self, cache: "ViewCache", layer_idx: int, query: torch.Tensor,
+                        scaling: float | None) -> None:
+        """Before the attention of layer ``layer_idx`` in a verify forward: ``query [B, H, q, D]``."""
+
+    def verify_page_size(self, num_tokens: int) -> int:
+        """Pages of keys whose attention mass the verify forward of ``num_tokens`` tokens should
+        emit (0: none); asked once per verify forward."""
+        return 0
+
+    def on_verify_mass(self, cache: "ViewCache", layer_idx: int, mass: torch.Tensor) -> None:
+        """The attention mass ``[B, Hkv, pages]`` (fp32) layer ``layer_idx``'s verify attention emitted."""
+
+    def on_commit(self, cache: "ViewCache") -> None:
+        """After every commit of verified tokens."""
 
 
 @dataclass

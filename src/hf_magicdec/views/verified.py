@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..defaults import DEFAULT_PAGE_SIZE, DEFAULT_POOL_KERNEL, DEFAULT_SINK_TOKENS, DEFAULT_WINDOW
-from .base import DraftView, ScoreContext, ViewCache, check_sizes, is_int, require_int
+from .base import CacheHook, DraftView, ScoreContext, ViewCache, check_sizes, is_int, require_int
 from .dynamic import select_page_slots
 from .snapkv import snapkv_scores
 
@@ -134,7 +134,7 @@ class Verified(DraftView):
 
 
 @dataclass
-class VerifiedSelection:
+class VerifiedSelection(CacheHook):
     """Per-row state of a :class:`Verified` view in one cache: the verify attention's mass per page
     of the verification the next choice follows, per layer (the cache keeps it aligned with its rows, asks it which
     page size verify forwards emit mass for, hands it that mass, and calls :meth:`on_commit`).
@@ -203,26 +203,30 @@ class VerifiedSelection:
         self.mass, self.verifications = {}, 0
 
     def _choose(self, cache: ViewCache, ready: torch.Tensor) -> None:
-        """Every layer's static part from its mass: the layers whose masses have the same shape on
-        the same device are chosen together (one top-k over all their heads, not one per layer:
-        on a CPU the choice is dominated by per-operation cost)."""
+        """Every layer's static part from its mass: the layers whose buffers are stacked together
+        (``cache.layer_groups``) are chosen together, one top-k over all their heads and one copy
+        into all their views, so the choice costs the same at any depth."""
         view, geometry = self.view, cache.geometry
         page, sinks = view.page_size, min(view.sink_tokens, self.static)
         lo = cache.pad + sinks  # [B] candidates: after the sinks, before the window
         hi = cache.pad + (cache.lengths - cache.pad) - geometry.window_filled()
-        groups: dict[tuple, list[int]] = {}
-        for layer_idx, mass in self.mass.items():
-            groups.setdefault((mass.device, tuple(mass.shape)), []).append(layer_idx)
-        for (dev, (_, heads, n_pages)), layers in groups.items():
+        for group, members in enumerate(cache.layer_groups):
+            layers = [i for i in members if i in self.mass]
+            if not layers:
+                continue
+            mass = torch.cat([self.mass[i] for i in layers], dim=1)  # [B, layers * Hkv, N]
+            dev, heads, n_pages = mass.device, self.mass[layers[0]].shape[1], mass.shape[-1]
             pages = torch.arange(n_pages, device=dev)
             start = torch.maximum(pages[None, :] * page, lo.to(dev)[:, None])  # [B, N]
             tokens = (torch.minimum((pages[None, :] + 1) * page, hi.to(dev)[:, None]) - start).clamp(min=0)
-            mass = torch.cat([self.mass[i] for i in layers], dim=1)  # [B, layers * Hkv, N]
             chosen = select_page_slots(mass, start, tokens, self.static - sinks, page)
             first = (cache.pad.to(dev)[:, None] + torch.arange(sinks, device=dev)[None, :])[:, None, :]
             slots = torch.cat([first.expand(-1, chosen.shape[1], -1), chosen], dim=-1)
+            slots = slots.clamp(max=cache.layers[layers[0]].keys.shape[2] - 1)
             where = ready.to(dev)[:, None, None]
-            for i, layer_idx in enumerate(layers):
-                layer_slots = slots[:, i * heads:(i + 1) * heads]
-                layer_slots = layer_slots.clamp(max=cache.layers[layer_idx].keys.shape[2] - 1)
-                cache.replace_static(layer_idx, layer_slots, where)
+            if len(layers) == len(members):  # the whole group: one copy
+                slots = slots.view(slots.shape[0], len(layers), heads, -1).transpose(0, 1)  # [L, B, Hkv, n]
+                cache.replace_static_group(group, slots, where)
+                continue
+            for i, layer_idx in enumerate(layers):  # some layers emitted no usable mass
+                cache.replace_static(layer_idx, slots[:, i * heads:(i + 1) * heads], where)

@@ -1,14 +1,15 @@
 """The engine's KV cache: :class:`MagicDecCache` (the transformers ``Cache``), its layers
 (:mod:`.layers`: full KV and draft view), the per-forward values (:mod:`.forwards`), the draft
-views' slot layout (:mod:`.geometry`), its options (:mod:`.options`) and slot buffers
-(:mod:`.buffers`)."""
+views' slot layout (:mod:`.geometry`), its options (:mod:`.options`), the stacked buffers
+(:mod:`.store`) and the slot arithmetic (:mod:`.buffers`)."""
 
 from .buffers import initial_capacity
 from .cache import CacheHook, MagicDecCache, PromptSnapshot
 from .forwards import DraftForward, Forward, PrefillForward, VerifyForward
 from .geometry import DraftGeometry
-from .layers import DraftKV, MagicDecLayer
+from .layers import MagicDecLayer
+from .store import LayerStack
 from .options import CacheOptions
 
-__all__ = ["CacheHook", "CacheOptions", "DraftForward", "DraftGeometry", "DraftKV", "Forward", "MagicDecCache",
-           "MagicDecLayer", "PrefillForward", "PromptSnapshot", "VerifyForward", "initial_capacity"]
+__all__ = ["CacheHook", "CacheOptions", "DraftForward", "DraftGeometry", "Forward", "LayerStack",
+           "MagicDecCache", "MagicDecLayer", "PrefillForward", "PromptSnapshot", "VerifyForward", "initial_capacity"]

@@ -7,6 +7,11 @@ Layout per layer (``B`` rows, ``Hkv`` local KV heads, ``D`` head dim; :mod:`.lay
     draft view   [B, Hkv, Ks + W + scratch + 1, D]
                  [ static selection Ks | rolling window W | draft scratch | trash 1 ]  (:mod:`.geometry`)
 
+Layers that share a device and head shapes keep these in stacked buffers (:mod:`.store`), so that
+what happens between forwards (the commit feeding every layer's draft window, a view re-choosing
+its static part, rows leaving, the cache growing) costs a fixed number of operations whatever the
+depth.
+
 Models call ``cache.update(k, v, layer_idx)`` without metadata, so the engine opens each forward
 first (:meth:`~MagicDecCache.begin_prefill` / ``begin_draft`` / ``begin_verify``, which return the
 forward's value, :mod:`.forwards`) and the cache owns every per-row offset. Commit and rollback are
@@ -15,45 +20,38 @@ O(1) per row: rejected tokens' KV stays in slots that the next verify overwrites
 
 Memory follows what is generated, not ``max_new_tokens``: the full cache starts at the prompt plus
 a modest headroom (:func:`~.buffers.initial_capacity`) and :meth:`MagicDecCache.reserve` grows it
-geometrically, capped at what the call can generate, when the next verify would write past it.
-Growing allocates the larger buffers (on each layer's own device), copies the filled prefix and
-replaces them: one contiguous layout, so kernels, masks and key ranges are unchanged. The draft
-views are separate fixed-size buffers and never move.
+geometrically, capped at what the call can generate, when the next verify would write past it
+(compiled steps allocate the whole call up front instead: their graphs never see a new shape
+mid-call). The draft views are separate fixed-size buffers and never move.
+
+Rows that finish leave the working batch (:meth:`MagicDecCache.drop_rows`); when the generation's
+KV is handed back they are kept by the cache (:meth:`MagicDecCache.committed_kv`).
 
 Whoever needs per-row state beside the cache's (a query-aware view's page summaries, the refresh
-policy's query rings) keeps it in an object of its own and :meth:`~MagicDecCache.attach`-es it:
-the cache calls its ``select_rows`` when rows leave, and its ``on_draft_query`` /
-``on_verify_query`` (if it has them) before the attention of each draft / verify forward.
-Nothing outside this package writes the cache's state.
+policy's query rings) keeps it in a :class:`~hf_magicdec.views.CacheHook` and
+:meth:`~MagicDecCache.attach`-es it. Nothing outside this package writes the cache's state.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol
 
 import torch
 from transformers.cache_utils import Cache
 
-from ...views import DraftView, ScoreContext
+from ...views import CacheHook, DraftView, ScoreContext
 from .buffers import grown_capacity, per_device, row_moves
 from .forwards import DraftForward, Forward, PrefillForward, VerifyForward
 from .geometry import DraftGeometry
 from .layers import MagicDecLayer
 from .options import CacheOptions
+from .store import LayerStack, stack_key
 
 __all__ = ["CacheHook", "MagicDecCache", "PromptSnapshot"]
 
-
-class CacheHook(Protocol):
-    """Per-row state kept beside a cache (:meth:`MagicDecCache.attach`). Optionally also
-    ``on_draft_query(cache, layer_idx, query, scaling)`` / ``on_verify_query(...)``, and for the
-    verify's attention mass ``verify_page_size(num_tokens)`` / ``on_verify_mass(cache, layer_idx,
-    mass)``, and ``on_commit(cache)`` after every :meth:`MagicDecCache.commit`."""
-
-    def select_rows(self, rows: torch.Tensor) -> None:
-        """Keep only these rows (``[b']`` indices into the current rows)."""
+#: Per layer ``(keys, values)``, ``[B, Hkv, S, D]``.
+LayerKV = list[tuple[torch.Tensor, torch.Tensor]]
 
 
 @dataclass
@@ -64,6 +62,18 @@ class PromptSnapshot:
     prompt: int
     pad: torch.Tensor
     layers: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, float | None]]
+
+
+@dataclass
+class _Finished:
+    """Rows that left the batch while their KV is to be handed back: their original indices
+    ``rows [k]``, committed ``lengths [k]`` and, per stack, ``(keys, values) [L, k, Hkv, filled, D]``
+    (views of the stack's buffers until the cache replaces them, then copies)."""
+
+    rows: torch.Tensor
+    lengths: torch.Tensor
+    kv: list[tuple[torch.Tensor, torch.Tensor]]
+    copied: bool = False
 
 
 class MagicDecCache(Cache):
@@ -98,15 +108,23 @@ class MagicDecCache(Cache):
         self._growths = 0
         self._pad = pad_lengths.long()  # [B]
         self._lengths = torch.zeros_like(self._pad)  # [B] committed slots
+        #: ``[B]`` original batch index of each row (rows leave as they finish).
+        self.row_ids = torch.arange(self._pad.shape[0], device=self._pad.device)
         self._max_len = 0  # host mirror of lengths.max()
         # Prefill leaves slots below this untouched: they hold a continued cache's KV as the user
         # gave it, and prefill re-runs their last tokens only to record SnapKV's observation queries.
         self._frozen = 0
+        self._stacks: list[LayerStack] = []
         self._forward: Forward | None = None
         self._view: DraftView | None = None
         self._geometry: DraftGeometry | None = None
         self._view_state: CacheHook | None = None
         self._hooks: list[CacheHook] = []
+        self._finished: list[_Finished] = []
+        self._row_tensors: dict = {}  # per-row constants of the current rows (key ranges, masks)
+        #: Whether the model rewrites the attention mask it is given (seen during prefill): its
+        #: draft and verify forwards then get the real mask (:meth:`Forward.model_mask`).
+        self.real_masks = False
 
     # ------------------------------------------------------------------ what others read
     @property
@@ -163,6 +181,16 @@ class MagicDecCache(Cache):
     def hooks(self) -> tuple[CacheHook, ...]:
         return tuple(self._hooks)
 
+    @property
+    def stacks(self) -> tuple[LayerStack, ...]:
+        """The stacked buffers, one per group of layers sharing a device and head shapes."""
+        return tuple(self._stacks)
+
+    @property
+    def layer_groups(self) -> list[list[int]]:
+        """The layers of each stack (:attr:`stacks`), in stack order."""
+        return [stack.layers for stack in self._stacks]
+
     def max_length(self) -> int:
         """Longest committed row, in slots (padding included)."""
         return self._max_len
@@ -170,22 +198,77 @@ class MagicDecCache(Cache):
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self._max_len
 
+    # ------------------------------------------------------------------ per-row constants
+    def row_constant(self, value: int) -> torch.Tensor:
+        """``[B]`` int32 tensor of ``value`` (key-range bounds), made once per set of rows."""
+        hit = self._row_tensors.get(("const", value))
+        if hit is None:
+            hit = self._row_tensors[("const", value)] = torch.full_like(self._pad, value, dtype=torch.int32)
+        return hit
+
+    @property
+    def pad32(self) -> torch.Tensor:
+        hit = self._row_tensors.get("pad32")
+        if hit is None:
+            hit = self._row_tensors["pad32"] = self._pad.to(torch.int32)
+        return hit
+
+    def draft_filled(self) -> torch.Tensor:
+        """``[B]`` int32 filled slots of each row's draft view (valid until the next commit)."""
+        hit = self._row_tensors.get("filled")
+        if hit is None:
+            hit = self._row_tensors["filled"] = self._geometry.filled().to(torch.int32)
+        return hit
+
+    def draft_slots(self, first, num_tokens: int) -> torch.Tensor:
+        """``[num_tokens]`` draft-view slots from ``first`` (an int: made once per call; a 0-d
+        tensor: computed, inside a compiled step)."""
+        if isinstance(first, torch.Tensor):
+            return first + self._window_offsets(num_tokens)
+        key = ("slots", first, num_tokens)
+        hit = self._row_tensors.get(key)
+        if hit is None:
+            hit = self._row_tensors[key] = first + self._window_offsets(num_tokens)
+        return hit
+
+    def broadcast_mask(self, q_len: int, kv_len: int) -> torch.Tensor:
+        """A ``[B, 1, q_len, kv_len]`` bool tensor of one stored element (see :meth:`Forward.model_mask`)."""
+        key = ("mask", q_len, kv_len)
+        hit = self._row_tensors.get(key)
+        if hit is None:
+            one = self._row_tensors.get("one")
+            if one is None:
+                one = self._row_tensors["one"] = torch.ones((), dtype=torch.bool, device=self._pad.device)
+            hit = self._row_tensors[key] = one.expand(self.num_rows, 1, q_len, kv_len)
+        return hit
+
+    def _views_moved(self) -> None:
+        """The draft views' fill changed (a commit, a re-layout)."""
+        self._row_tensors.pop("filled", None)
+
+    def _rows_changed(self) -> None:
+        one = self._row_tensors.get("one")
+        self._row_tensors = {} if one is None else {"one": one}
+
     # ------------------------------------------------------------------ forwards
     def begin_prefill(self, start: int, length: int) -> PrefillForward:
         """Next forward writes prompt slots ``[start, start + length)`` in every row."""
+        self.materialize()
         self._forward = PrefillForward(self, start, length, self._frozen, self.options.observation_window)
         return self._forward
 
     def end_prefill(self, prompt_slots: int) -> None:
+        self.materialize()
         self._lengths.fill_(prompt_slots)
         self._max_len = prompt_slots
         self._forward = None
 
-    def begin_draft(self, step: int, num_tokens: int = 1, skip: torch.Tensor | None = None) -> DraftForward:
+    def begin_draft(self, step, num_tokens: int = 1, skip: torch.Tensor | None = None) -> DraftForward:
         """Next forward drafts on the draft views: ``num_tokens`` tokens per row written to draft
-        scratch slots ``[step, step + num_tokens)``, attending to the view and causally to the
-        scratch written so far, except its first ``skip[b]`` slots (``[B]``; a separate draft
-        model re-feeds a token whose KV is already in the view)."""
+        scratch slots ``[step, step + num_tokens)`` (``step``: an int, or a 0-d tensor in a compiled
+        draft step), attending to the view and causally to the scratch written so far, except its
+        first ``skip[b]`` slots (``[B]``; a separate draft model re-feeds a token whose KV is
+        already in the view)."""
         if self._geometry is None:
             raise RuntimeError("build_draft_views() must run before drafting.")
         self._forward = DraftForward(self, step, num_tokens, skip)
@@ -204,50 +287,81 @@ class MagicDecCache(Cache):
         return self._forward.write(layer, key_states, value_states)
 
     # ------------------------------------------------------------------ buffers
+    def materialize(self) -> None:
+        """Stack the layers that have received keys but hold no buffers yet (the first prefill
+        forward, a continued cache's prefix): one :class:`~.store.LayerStack` per device and head
+        shape, ``capacity`` slots per row, the keys received copied into slots ``[0, n)``."""
+        waiting = [layer for layer in self.layers if layer.pending is not None]
+        if not waiting:
+            return
+        groups: dict[tuple, list[MagicDecLayer]] = {}
+        for layer in waiting:
+            groups.setdefault(stack_key(*layer.pending), []).append(layer)
+        for members in groups.values():
+            k0, v0 = members[0].pending
+            shape = (len(members), k0.shape[0], k0.shape[1], self._capacity)
+            keys = k0.new_zeros((*shape, k0.shape[-1]))
+            values = v0.new_zeros((*shape, v0.shape[-1]))
+            for j, layer in enumerate(members):
+                k, v = layer.pending
+                keys[j, :, :, : k.shape[2]] = k
+                values[j, :, :, : v.shape[2]] = v
+                layer.pending = None
+            stack = LayerStack([layer.layer_idx for layer in members], keys, values)
+            self._stacks.append(stack)
+            for j, layer in enumerate(members):
+                layer.stack, layer.index = stack, j
+                layer.bind()
+            self._made(stack)
+
+    def _bind(self, stack: LayerStack) -> None:
+        for layer_idx in stack.layers:
+            self.layers[layer_idx].bind()
+        self._made(stack)
+
     def reserve(self, slots: int) -> bool:
         """Make the full cache hold at least ``slots`` slots per row; call it between steps, e.g.
         with ``max_length() + q`` before a ``q``-token verify (host-side, no device sync).
 
         Grows geometrically (:func:`~.buffers.grown_capacity`, capped at ``max_capacity``) so that
-        the copies are amortised: every initialized layer gets new buffers on its own device with
-        the filled prefix ``[0, max_length())`` copied. Layers whose full KV was released
-        (:meth:`release_full_kv`) stay empty. Returns whether the cache grew.
+        the copies are amortised: every stack gets new buffers on its own device with the filled
+        prefix ``[0, max_length())`` copied. Finished rows kept for the hand-back are copied out
+        of the old buffers first. Stacks whose full KV was released (:meth:`release_full_kv`) stay
+        empty. Returns whether the cache grew.
         """
         if slots <= self._capacity:
             return False
         if self._forward is not None:
             raise RuntimeError(f"MagicDecCache.reserve() during a {self._forward.kind} forward; grow it between steps.")
         capacity = grown_capacity(self._capacity, slots, self._max_capacity)
-        self._capacity = capacity  # layers allocate from it
-        for layer in self.layers:
-            layer.widen(capacity, self._max_len)  # every row's committed KV lies in [0, lengths[b])
-            self._made(*layer.buffers()[:2])
+        self._capacity = capacity  # stacks made later allocate from it
+        for finished in self._finished:  # they view the buffers about to be replaced
+            if not finished.copied:
+                finished.kv = [(k.clone(), v.clone()) for k, v in finished.kv]
+                finished.copied = True
+        for stack in self._stacks:
+            if stack.capacity:
+                stack.widen(capacity, self._max_len)  # every row's committed KV lies in [0, lengths[b])
+                self._bind(stack)
         self._max_capacity = max(self._max_capacity, capacity)
         self._growths += 1
         return True
 
-    def _made(self, *buffers: torch.Tensor) -> None:
-        """New KV buffers exist: mark them static for CUDA graphs when the steps are captured on CUDA."""
+    def _made(self, stack: LayerStack) -> None:
+        """New KV buffers exist: when the steps are captured on CUDA, mark the tensors the forwards
+        read (each layer's views of them) static for CUDA graphs, which then write them in place."""
         if self.options.static_addresses:
-            for buffer in buffers:
-                if buffer is not None and buffer.numel():
-                    torch._dynamo.mark_static_address(buffer)
-
-    def mark_static_addresses(self) -> None:
-        """Tell ``torch.compile`` that every full and draft KV buffer keeps its address, so CUDA
-        graphs (``mode="reduce-overhead"``) may capture steps that write them in place. Buffers made
-        later (growth, row selection, new views) are marked as they are made when
-        ``options.static_addresses`` is set; those events change the buffers' shapes too, so they
-        cost no recompilation of their own."""
-        for layer in self.layers:
-            for buffer in layer.buffers():
-                if buffer.numel():
-                    torch._dynamo.mark_static_address(buffer)
+            for layer_idx in stack.layers:
+                layer = self.layers[layer_idx]
+                for view in (layer.keys, layer.values, layer.draft_keys, layer.draft_values):
+                    if view is not None and view.numel():
+                        torch._dynamo.mark_static_address(view)
 
     def load_prefix(self, layer_idx: int, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Start layer ``layer_idx`` from a cache's KV ``keys / values [B, Hkv, n, D]`` (slots
-        ``[0, n)`` of every row, left padding included): allocated on their device and copied, so
-        the caller may drop its own. Prefill then continues at slot ``n``, which it leaves as given."""
+        ``[0, n)`` of every row, left padding included), copied into the stacks when they are made
+        (:meth:`materialize`, before the next forward), so the caller may then drop its own.
+        Prefill then continues at slot ``n``, which it leaves as given."""
         self.layers[layer_idx].load(keys, values)
         self._frozen = keys.shape[2]
 
@@ -256,11 +370,14 @@ class MagicDecCache(Cache):
         """Random KV (and observation queries) as if ``context`` tokens had been prefilled: step
         timings do not depend on KV values, and a real prefill costs far more than the steps."""
         seed = torch.zeros(self.num_rows, kv_heads, 1, head_dim, dtype=dtype, device=device)
-        window = self.options.observation_window
         for layer in self.layers:
-            layer.lazy_initialization(seed, seed)
-            layer.keys.normal_()
-            layer.values.normal_()
+            layer.load(seed, seed)
+        self.materialize()
+        window = self.options.observation_window
+        for stack in self._stacks:
+            stack.keys.normal_()
+            stack.values.normal_()
+        for layer in self.layers:
             if window:
                 queries = torch.randn(self.num_rows, heads, min(window, context), head_dim, dtype=dtype, device=device)
                 layer.observe(queries, head_dim ** -0.5, window)
@@ -290,8 +407,9 @@ class MagicDecCache(Cache):
     def release_full_kv(self) -> None:
         """Free the full cache once the draft views are built, for a draft model that only ever
         attends to its views (their rolling windows are fed by :meth:`commit_scratch`)."""
-        for layer in self.layers:
-            layer.release_full()
+        for stack in self._stacks:
+            stack.release_full()
+            self._bind(stack)
         self._capacity = self._max_capacity = 0  # nothing left to write into or grow
 
     # ------------------------------------------------------------------ draft views
@@ -303,6 +421,7 @@ class MagicDecCache(Cache):
         ``scratch`` is the number of draft slots per step (default ``gamma``; the largest γ when γ
         adapts during generation). A view with per-row state (``view.prepare``) gets it attached.
         """
+        self.materialize()
         ks = view.static_slots(budget, prompt_slots)
         w = view.window_slots(budget, gamma, prompt_slots, max_new_tokens)
         geometry = DraftGeometry.for_prompt(ks, w, gamma if scratch is None else scratch, prompt_slots, self._pad)
@@ -313,9 +432,14 @@ class MagicDecCache(Cache):
         candidate = valid & (slot[None, :] < (self._pad + geometry.static_candidates)[:, None])
         ring_src = geometry.initial_sources(prompt_slots)  # [B, Ks+W]
         is_static = torch.arange(ks + w, device=device)[None, :] < geometry.static_count[:, None]
+        for stack in self._stacks:
+            sources = None
+            if prompt_slots:
+                sources = torch.stack([self._view_sources(self.layers[i], view, prompt_slots, valid, candidate,
+                                                          ring_src, is_static) for i in stack.layers])
+            stack.build_draft(geometry.total_slots, sources)
+            self._bind(stack)
         for layer in self.layers:
-            source = self._view_sources(layer, view, prompt_slots, valid, candidate, ring_src, is_static)
-            layer.build_view(geometry.total_slots, source)
             layer.forget_observation()
         if self._view_state is not None:
             self._hooks.remove(self._view_state)
@@ -323,12 +447,11 @@ class MagicDecCache(Cache):
         if self._view_state is not None:
             self.attach(self._view_state)
         self._forward = None
+        self._views_moved()
 
-    def _view_sources(self, layer, view, prompt_slots, valid, candidate, ring_src, is_static) -> torch.Tensor | None:
+    def _view_sources(self, layer, view, prompt_slots, valid, candidate, ring_src, is_static) -> torch.Tensor:
         """``[B, Hkv, Ks + W]`` full-cache slot of each view slot of ``layer``: the view's top-scored
         candidates in the static part, the prompt's tail in the window."""
-        if prompt_slots == 0:
-            return None
         keys = layer.keys
         dev = keys.device
         kv_heads, head_dim = keys.shape[1], keys.shape[-1]
@@ -352,8 +475,16 @@ class MagicDecCache(Cache):
         """Layer ``layer_idx``'s view slots ``[start, start + n)`` take the full KV at ``slots
         [B, Hkv, n]`` where ``where`` (bool, broadcastable to ``[B, Hkv, n]``) holds: a query-aware
         view's refill, a refresh's re-selection."""
-        layer = self.layers[layer_idx]
-        layer.draft.replace_static(layer.keys, layer.values, slots, start, where)
+        self.layers[layer_idx].replace_static(slots, start, where)
+
+    def replace_static_group(self, group: int, slots: torch.Tensor, where: torch.Tensor, start: int = 0) -> None:
+        """As :meth:`replace_static` for every layer of stack ``group`` at once (``slots
+        [L, B, Hkv, n]`` in the stack's layer order; one gather and one scatter per K and V)."""
+        stack = self._stacks[group]
+        n = slots.shape[-1]
+        target = torch.arange(start, start + n, device=slots.device)
+        target = torch.where(where.to(slots.device), target, self._geometry.trash_slot)  # [B|1, Hkv|1, n]
+        stack.copy(stack.full_index(slots), stack.draft_index(target.expand(slots.shape[1:])[None]), from_full=True)
 
     def attach(self, hook: CacheHook) -> None:
         """Keep ``hook``'s per-row state aligned with the cache's rows (and call its query hooks)."""
@@ -375,18 +506,30 @@ class MagicDecCache(Cache):
         verify = self._forward
         if not isinstance(verify, VerifyForward):
             raise RuntimeError("MagicDecCache.commit() follows a verify forward (begin_verify).")
-        num_tokens = num_tokens.to(self._lengths.device).long()
+        num_tokens = num_tokens.to(self._lengths.device)
         if self._geometry is not None and feed_views:
-            j = torch.arange(verify.num_tokens, device=self._lengths.device)
-            src = (self._lengths[:, None] + j).clamp(max=self._capacity - 1)  # [B, q]
-            self._append_to_windows(src, num_tokens, from_full_cache=True)
+            src = (self._lengths[:, None] + self._window_offsets(verify.num_tokens)).clamp(max=self._capacity - 1)
+            dst = self._geometry.ring_targets(num_tokens, verify.num_tokens)
+            for stack in self._stacks:
+                stack.full_to_draft(*self._on(stack.device, src, dst))
+            self._geometry.advance(num_tokens)
+            self._views_moved()
         self._lengths += num_tokens
         self._max_len = max_length if max_length is not None else self._read_max_length()
         self._forward = None
         for hook in self._hooks:  # e.g. the verification-guided view chooses its static part
-            on_commit = getattr(hook, "on_commit", None)
-            if on_commit is not None:
-                on_commit(self)
+            hook.on_commit(self)
+
+    def _window_offsets(self, n: int) -> torch.Tensor:
+        """``[n]`` arange on the rows' device, made once."""
+        key = ("arange", n)
+        hit = self._row_tensors.get(key)
+        if hit is None:
+            hit = self._row_tensors[key] = torch.arange(n, device=self._lengths.device)
+        return hit
+
+    def _on(self, device: torch.device, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return tensors if tensors[0].device == device else tuple(t.to(device) for t in tensors)
 
     def _read_max_length(self) -> int:
         return int(self._lengths.max().item()) if self._lengths.numel() else 0
@@ -401,7 +544,13 @@ class MagicDecCache(Cache):
         count : ``[B]`` tokens to append per row, ``<= n``.
         """
         dev = self._lengths.device
-        self._append_to_windows(self._geometry.view_slots + src.to(dev), count.to(dev).long(), from_full_cache=False)
+        src = self._geometry.view_slots + src.to(dev)
+        count = count.to(dev).long()
+        dst = self._geometry.ring_targets(count, src.shape[1])
+        for stack in self._stacks:
+            stack.draft_to_draft(*self._on(stack.device, src, dst))
+        self._geometry.advance(count)
+        self._views_moved()
         self._forward = None
 
     def sync_windows(self) -> None:
@@ -418,11 +567,10 @@ class MagicDecCache(Cache):
         src = src.clamp(max=max(self._capacity - 1, 0))
         dst = geometry.static_count[:, None] + token % geometry.ring_size[:, None]
         dst = torch.where(j < held[:, None], dst, torch.full_like(dst, geometry.trash_slot))
-        on = per_device(src, dst)
-        for layer in self.layers:
-            s, d = on(layer.draft.keys.device)
-            layer.draft.append(layer.keys, layer.values, s, d)
+        for stack in self._stacks:
+            stack.full_to_draft(*self._on(stack.device, src, dst))
         geometry.advance(count - geometry.ring_ptr)
+        self._views_moved()
 
     def full_layout(self, rows: torch.Tensor) -> None:
         """Rows (``[B]`` bool) whose static part holds fewer tokens than its ``static_slots`` (their
@@ -437,35 +585,13 @@ class MagicDecCache(Cache):
         j = torch.arange(width, device=rows.device)[None, :]
         src = ((self._pad + window_start)[:, None] + j).clamp(min=0, max=max(self._capacity - 1, 0))
         dst = torch.where(rows[:, None], g.static_slots + j, torch.full_like(j, g.trash_slot))
-        on = per_device(src, dst)
-        for layer in self.layers:
-            s, d = on(layer.draft.keys.device)
-            layer.draft.append(layer.keys, layer.values, s, d)
+        for stack in self._stacks:
+            stack.full_to_draft(*self._on(stack.device, src, dst))
         g.relayout(rows, window_start)
-
-    def _append_to_windows(self, src: torch.Tensor, count: torch.Tensor, from_full_cache: bool) -> None:
-        """Copy slots ``src[b, :count[b]]`` of each row, taken from the full cache or from the draft
-        buffer itself, into the next slots of its rolling window (the rest go to the trash slot)."""
-        dst = self._geometry.ring_targets(count, src.shape[1])
-        on = per_device(src, dst)
-        for layer in self.layers:
-            s, d = on(layer.draft.keys.device)
-            source = (layer.keys, layer.values) if from_full_cache else layer.draft.buffers()
-            layer.draft.append(*source, s, d)
-        self._geometry.advance(count)
-
-    def _keep_row_state(self, rows: torch.Tensor, max_length: int | None) -> None:
-        """The per-row state beside the layers follows the rows kept (``rows [B']`` indices)."""
-        self._pad = self._pad.index_select(0, rows)
-        self._lengths = self._lengths.index_select(0, rows)
-        if self._geometry is not None:
-            self._geometry.select_rows(rows)
-        for hook in self._hooks:
-            hook.select_rows(rows)
-        self._max_len = max_length if max_length is not None else self._read_max_length()
+        self._views_moved()
 
     def drop_rows(self, finished: Sequence[bool], max_length: int | None = None, keep_finished: bool = False
-                  ) -> tuple[torch.Tensor, tuple[torch.Tensor, list] | None]:
+                  ) -> torch.Tensor:
         """Finished rows leave the working batch in place: each finished row among the first
         ``kept`` (alive) positions takes an alive row from the end (:func:`~.buffers.row_moves`),
         so only as many rows move as finished early, and no new buffer holds the kept rows beside
@@ -475,31 +601,78 @@ class MagicDecCache(Cache):
         ----------
         finished : ``[n]`` on the host, the working rows that finished.
         max_length : the kept rows' longest length when the caller knows it (None: read here).
-        keep_finished : keep the finished rows' KV (a hand-back): they are swapped to the end of
-            the buffers, not overwritten.
+        keep_finished : keep the finished rows' KV for :meth:`committed_kv` (a hand-back): they
+            are swapped to the end of the buffers, not overwritten, and copied out before the
+            buffers are ever replaced.
 
         Returns
         -------
-        ``(order, gone)``: ``order [n]`` long on the cache's device, the row each position holds
-        afterwards; the working rows are now ``order[:kept]``, in that order (index per-row state
-        with it). ``gone``, with ``keep_finished``: ``(lengths [n - kept], per layer (keys, values)
-        [n - kept, Hkv, filled, D])`` of rows ``order[kept:]``, views of the buffers' end (the
-        memory they held; copy them before the cache grows, :meth:`reserve`); else None.
+        ``order [n]`` long on the cache's device: the row each position holds afterwards; the
+        working rows are now ``order[:kept]``, in that order (index per-row state with it).
         """
         order, holes, sources = row_moves(finished)
         kept = sum(not f for f in finished)
         device = self._lengths.device
         order = torch.tensor(order, dtype=torch.long, device=device)
-        gone_lengths = self._lengths.index_select(0, order[kept:]) if keep_finished else None
+        if keep_finished and kept < len(finished):
+            self._finished.append(_Finished(self.row_ids.index_select(0, order[kept:]),
+                                            self._lengths.index_select(0, order[kept:]), []))
         on = per_device(torch.tensor(holes, dtype=torch.long, device=device),
                         torch.tensor(sources, dtype=torch.long, device=device))
-        gone = []
+        filled = self._max_len
+        for stack in self._stacks:
+            rows = stack.rows
+            stack.move_rows(*on(stack.device), kept, filled, swap=keep_finished)
+            if keep_finished and kept < len(finished):
+                self._finished[-1].kv.append((stack.keys[:, kept:rows, :, :filled],
+                                              stack.values[:, kept:rows, :, :filled]))
+            self._bind(stack)
+        self._pad = self._pad.index_select(0, order[:kept])
+        self._lengths = self._lengths.index_select(0, order[:kept])
+        self.row_ids = self.row_ids.index_select(0, order[:kept])
+        if self._geometry is not None:
+            self._geometry.select_rows(order[:kept])
+        for hook in self._hooks:
+            hook.select_rows(order[:kept])
+        self._rows_changed()
+        self._max_len = max_length if max_length is not None else self._read_max_length()
+        return order
+
+    def committed_kv(self, batch: int, total: int) -> tuple[LayerKV, torch.Tensor]:
+        """Every row's committed KV laid out as stock's cache: ``(per layer (keys, values)
+        [batch, Hkv, total, D], filled [batch])`` where original row ``b`` holds its KV in slots
+        ``[0, filled[b])``: the working rows and the ones kept when they left
+        (``drop_rows(keep_finished=True)``). Slots past ``filled[b]`` are the caller's to fill.
+
+        Spends the cache. When every row is still where it started, the layers are views of the
+        stacked buffers (no copy, no second cache at the peak); otherwise each layer is assembled
+        in a new tensor."""
+        device = self._lengths.device
+        filled = torch.zeros(batch, dtype=torch.long, device=device)
+        filled[self.row_ids] = self._lengths.clamp(max=total)
+        for gone in self._finished:
+            filled[gone.rows] = gone.lengths.clamp(max=total)
+        in_place = not self._finished and self.num_rows == batch and all(s.capacity >= total for s in self._stacks)
+        out: list = [None] * len(self.layers)
+        for s, stack in enumerate(self._stacks):
+            full_k, full_v = stack.full()
+            pieces = [(self.row_ids, full_k, full_v)] + [(gone.rows, *gone.kv[s]) for gone in self._finished]
+            for j, layer_idx in enumerate(stack.layers):
+                if in_place:
+                    out[layer_idx] = (full_k[j, :, :, :total], full_v[j, :, :, :total])
+                    continue
+                keys = full_k.new_zeros((batch, full_k.shape[2], total, full_k.shape[-1]))
+                values = full_v.new_zeros((batch, full_v.shape[2], total, full_v.shape[-1]))
+                for where, k, v in pieces:
+                    n = min(k.shape[3], total)
+                    where = where.to(keys.device)
+                    keys[where, :, :n] = k[j, :, :, :n]
+                    values[where, :, :n] = v[j, :, :, :n]
+                out[layer_idx] = (keys, values)
         for layer in self.layers:
-            on_layer = on(layer.keys.device) if layer.is_initialized else on(device)
-            gone.append(layer.drop_rows(*on_layer, kept, self._max_len, keep_finished))
-            self._made(*layer.buffers())
-        self._keep_row_state(order[:kept], max_length)
-        return order, ((gone_lengths, gone) if keep_finished else None)
+            layer.release()
+        self._stacks, self._finished = [], []
+        return out, filled
 
     # Generic Cache API that would silently corrupt ragged state: refuse loudly.
     def crop(self, max_length: int):

@@ -5,6 +5,13 @@ before calling the model (``MagicDecCache.begin_prefill`` / ``begin_draft`` / ``
 which returns one of these values; the cache routes every ``update`` of that forward to it and the
 attention function asks it for the forward's key ranges (:class:`~hf_magicdec.kernels.Segments`).
 A forward lives until the next one opens or the step is committed; nothing of it outlives that.
+
+What a forward costs outside the model is a handful of operations whatever the model's depth: the
+key ranges are built from per-row tensors the cache keeps up to date (a draft round's ranges
+change only at commit), the write indices of a verify are made once and shared by every layer of
+a stack, and the model is handed :meth:`Forward.model_mask`, a ``[B, 1, q, kv]`` tensor that
+costs nothing to make; the PyTorch attention twin builds the real mask from the ranges, inside
+the forward, only when it runs (the Triton kernels read the ranges).
 """
 
 from __future__ import annotations
@@ -15,6 +22,7 @@ import torch
 from transformers.cache_utils import Cache
 
 from ...kernels import Segments
+from .buffers import flat_slots
 from .layers import MagicDecLayer
 
 __all__ = ["DraftForward", "Forward", "PrefillForward", "VerifyForward"]
@@ -31,8 +39,9 @@ class Forward:
         self.num_tokens = num_tokens
         self._segments = segments
         self._segments_on: dict[torch.device, Segments] = {}
-        self._memo: dict[tuple[str, torch.device], torch.Tensor] = {}
+        self._memo: dict[Any, torch.Tensor] = {}
         self._key_owner: dict[int, int] = {}  # data_ptr of keys handed to attention -> cache layer
+        self.given_mask: torch.Tensor | None = None  # what the engine passed the model (model_mask or a real one)
 
     # ------------------------------------------------------------------ the attention's questions
     def layer_of(self, key: torch.Tensor, default: Any) -> Any:
@@ -49,14 +58,15 @@ class Forward:
         attends through its mask."""
         if self._segments is None:
             return None
+        if self._segments.lo1.device == device:
+            return self._segments
         hit = self._segments_on.get(device)
         if hit is None:
             hit = self._segments_on[device] = self._segments.to(device)
         return hit
 
     def mask(self, q_len: int, kv_len: int) -> torch.Tensor:
-        """The ``[B, 1, q_len, kv_len]`` bool mask of these key ranges (the PyTorch attention twin
-        reuses this very tensor)."""
+        """The ``[B, 1, q_len, kv_len]`` bool mask of these key ranges."""
         return self.segments(self.cache.lengths.device).mask(q_len, kv_len)
 
     @property
@@ -64,9 +74,23 @@ class Forward:
         """Key slots this forward's attention reads (masked beyond each row's ranges)."""
         raise NotImplementedError
 
-    def forward_mask(self) -> torch.Tensor:
-        """:meth:`mask` for this forward's own query and key lengths."""
-        return self.mask(self.num_tokens, self.kv_length)
+    def model_mask(self) -> torch.Tensor:
+        """The ``attention_mask`` the model is called with: a broadcast ``[B, 1, q, kv]`` tensor that
+        transformers' mask builders pass through as it is (a 4-D mask), which the ``magicdec``
+        attention recognises and replaces with the key ranges. A model that rewrites its mask (Doge
+        adds per-key biases) gets the real mask instead: its rewrite must start from the truth."""
+        if self.cache.real_masks:
+            return self.mask(self.num_tokens, self.kv_length)
+        return self.cache.broadcast_mask(self.num_tokens, self.kv_length)
+
+    def passed(self, mask: torch.Tensor | None) -> bool:
+        """Whether ``mask`` (as attention received it) is, or slices, what the engine gave the model."""
+        given = self.given_mask
+        if mask is None or given is None or mask.dtype != given.dtype:
+            return False
+        if torch.compiler.is_compiling():  # torch < 2.13 cannot trace data_ptr() comparisons
+            return mask is given
+        return mask.data_ptr() == given.data_ptr()
 
     def before_attention(self, layer_idx: int, query: torch.Tensor, scaling: float | None) -> None:
         """Called by the attention function before the attention of a draft or verify forward."""
@@ -123,34 +147,40 @@ class PrefillForward(Forward):
 class DraftForward(Forward):
     """``q`` draft tokens per row into scratch slots ``[step, step + q)`` of the draft views,
     attending to each row's filled view and causally to the scratch written so far (but its
-    first ``skip[b]`` slots)."""
+    first ``skip[b]`` slots). ``step`` is an int, or a 0-d tensor inside a compiled draft step
+    (one graph for every step of a round)."""
 
     kind = "draft"
 
-    def __init__(self, cache, step: int, num_tokens: int, skip: torch.Tensor | None):
+    def __init__(self, cache, step, num_tokens: int, skip: torch.Tensor | None):
         geometry = cache.geometry
         scratch = geometry.view_slots
-        super().__init__(cache, num_tokens, Segments.prefix_and_block(geometry.filled(), scratch,
-                                                                      scratch + step + num_tokens, skip))
-        self.first_slot = scratch + step
-        # A tensor, not an int, so that a compiled draft step is one graph for every step.
-        self.slots = torch.arange(self.first_slot, self.first_slot + num_tokens, device=cache.lengths.device)
+        fixed = isinstance(step, torch.Tensor)
+        if fixed:
+            end = cache.row_constant(scratch + num_tokens) + step
+        else:
+            end = cache.row_constant(scratch + step + num_tokens)
+        start = cache.row_constant(scratch) if skip is None else (scratch + skip).to(torch.int32)
+        super().__init__(cache, num_tokens, Segments(cache.row_constant(0), cache.draft_filled(), start, end))
+        self.step = step
+        self.first_slot = scratch + step  # an int, or a tensor when `step` is one
+        self.fixed = fixed or cache.options.fixed_shapes
+        # Under captured steps the slots are a tensor, so that one graph serves every draft step.
+        self.slots = cache.draft_slots(self.first_slot, num_tokens) if self.fixed else None
 
     @property
     def kv_length(self) -> int:
-        return self.cache.geometry.total_slots if self.cache.options.fixed_shapes else self.first_slot + self.num_tokens
+        return self.cache.geometry.total_slots if self.fixed else self.first_slot + self.num_tokens
 
     def _write(self, layer, key_states, value_states):
-        if self.cache.options.fixed_shapes:
-            return layer.draft.write_slots(self.on("slots", self.slots, layer.draft.keys.device), key_states,
+        if self.fixed:
+            return layer.write_draft_slots(self.on("slots", self.slots, layer.draft_keys.device), key_states,
                                            value_states)
-        return layer.draft.write_range(self.first_slot, key_states, value_states)
+        return layer.write_draft_range(self.first_slot, key_states, value_states)
 
     def before_attention(self, layer_idx, query, scaling) -> None:
         for hook in self.cache.hooks:
-            on_query = getattr(hook, "on_draft_query", None)
-            if on_query is not None:
-                on_query(self.cache, layer_idx, query, scaling)
+            hook.on_draft_query(self.cache, layer_idx, query, scaling)
 
 
 class VerifyForward(Forward):
@@ -160,36 +190,38 @@ class VerifyForward(Forward):
 
     def __init__(self, cache, num_tokens: int):
         lengths = cache.lengths
-        super().__init__(cache, num_tokens, Segments.causal(cache.pad, lengths + num_tokens))
-        self.write_slots = lengths[:, None] + torch.arange(num_tokens, device=lengths.device)  # [B, q]
+        end = (lengths + num_tokens).to(torch.int32)
+        super().__init__(cache, num_tokens, Segments(cache.row_constant(0), cache.row_constant(0), cache.pad32, end))
+        self._page_size: int | None = None
 
     @property
     def kv_length(self) -> int:
         return self.cache.capacity if self.cache.options.fixed_shapes else self.cache.max_length() + self.num_tokens
 
     def _write(self, layer, key_states, value_states):
-        slots = self.on("write_slots", self.write_slots, layer.keys.device)
-        return layer.write_rows(slots, key_states, value_states, self.kv_length)
+        keys = layer.keys
+        # The stack, by its first layer: a traced shape as the key would specialise the graph on it.
+        key = layer.stack.layers[0]
+        flat = self._memo.get(key)
+        if flat is None:  # made by the first layer of each stack, used by all of them
+            lengths = self.on("lengths", self.cache.lengths, keys.device)
+            slots = lengths[:, None] + torch.arange(self.num_tokens, device=keys.device)  # [B, q]
+            flat = self._memo[key] = flat_slots(keys, slots[:, None, :])
+        return layer.write_rows(flat, key_states, value_states, self.kv_length)
 
     def before_attention(self, layer_idx, query, scaling) -> None:
         for hook in self.cache.hooks:
-            on_query = getattr(hook, "on_verify_query", None)
-            if on_query is not None:
-                on_query(self.cache, layer_idx, query, scaling)
+            hook.on_verify_query(self.cache, layer_idx, query, scaling)
 
     def mass_page_size(self, layer_idx: int) -> int:
         """Pages this verify's attention emits its attention mass for (0: none): asked of the
-        attached state (the verification-guided view chooses the draft's KV from it)."""
-        for hook in self.cache.hooks:
-            ask = getattr(hook, "verify_page_size", None)
-            size = ask(self.num_tokens) if ask is not None else 0
-            if size:
-                return size
-        return 0
+        attached state once per forward (the verification-guided view chooses the draft's KV from it)."""
+        if self._page_size is None:
+            self._page_size = next((size for size in (h.verify_page_size(self.num_tokens) for h in self.cache.hooks)
+                                    if size), 0)
+        return self._page_size
 
     def record_mass(self, layer_idx: int, mass: torch.Tensor) -> None:
         """The attention mass ``[B, Hkv, pages]`` this verify's layer ``layer_idx`` emitted."""
         for hook in self.cache.hooks:
-            on_mass = getattr(hook, "on_verify_mass", None)
-            if on_mass is not None:
-                on_mass(self.cache, layer_idx, mass)
+            hook.on_verify_mass(self.cache, layer_idx, mass)

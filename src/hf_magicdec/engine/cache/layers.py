@@ -1,15 +1,17 @@
-"""The cache's layers, in the manner of transformers' ``cache_utils``: each owns its tensors, their
-allocation, their writes and their row operations.
+"""The cache's layers, in the manner of transformers' ``cache_utils``: what a model's attention sees.
 
-* :class:`MagicDecLayer` is what a model's attention sees (an HF ``CacheLayerMixin``): the **full
-  KV** of one decoder layer, ``[B, Hkv, capacity, D]``, row ``b``'s committed tokens in slots
-  ``[0, lengths[b])`` (left padding included, always masked). It allocates lazily from the first
-  keys it receives, so it lives on its layer's device with its local head count (device maps,
-  tensor parallelism). It also holds the layer's SnapKV observation (the last prefill queries) and
-  its draft view.
-* :class:`DraftKV` is that layer's **draft view**: a separate fixed-size buffer
-  ``[B, Hkv, Ks + W + scratch + 1, D]`` (:mod:`.geometry`), built from the full KV after prefill,
-  appended to after every verification, written by draft steps in its scratch.
+:class:`MagicDecLayer` is an HF ``CacheLayerMixin``: the **full KV** of one decoder layer,
+``[B, Hkv, capacity, D]``, row ``b``'s committed tokens in slots ``[0, lengths[b])`` (left padding
+included, always masked), and its **draft view** ``[B, Hkv, Ks + W + scratch + 1, D]``
+(:mod:`.geometry`). Both are views of the stacked buffers of the layer's group
+(:class:`~.store.LayerStack`): the layer owns no storage of its own, so the operations between
+forwards run once per group, not once per layer.
+
+A layer learns its device, dtype and local head count from the first keys it receives (device
+maps, tensor parallelism), so the stacks can only be allocated once every layer has reported: the
+first prefill forward hands each layer's keys back to attention as they are and keeps them
+(:meth:`MagicDecLayer.pending`); the cache stacks them before the next forward
+(:meth:`~hf_magicdec.engine.cache.MagicDecCache.materialize`).
 
 Writes arrive through ``update`` while a forward is open; which slots they go to is the open
 forward's business (:mod:`.forwards`), so a layer never guesses what the model is doing.
@@ -20,87 +22,15 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from .buffers import copy_slots, flat_slots, gather_slots, move_rows, scatter_slots, widened
+from .buffers import flat_slots
 
-__all__ = ["DraftKV", "MagicDecLayer"]
-
-
-def _empty_like(t: torch.Tensor) -> torch.Tensor:
-    # A new empty tensor, not a zero-length slice, which would keep the old storage alive.
-    return t.new_empty((*t.shape[:2], 0, t.shape[-1]))
-
-
-class DraftKV:
-    """The draft view of one layer: ``keys / values [B, Hkv, Ks + W + scratch + 1, D]``."""
-
-    def __init__(self, keys: torch.Tensor, values: torch.Tensor):
-        self.keys, self.values = keys, values
-
-    @classmethod
-    def gathered(cls, full_keys: torch.Tensor, full_values: torch.Tensor, total: int,
-                 source: torch.Tensor | None) -> "DraftKV":
-        """A view of ``total`` slots whose first ``source.shape[-1]`` slots hold the full KV at
-        ``source [B, Hkv, n]`` (None: nothing copied yet); the rest zeros."""
-        batch, heads = full_keys.shape[:2]
-        keys = full_keys.new_zeros((batch, heads, total, full_keys.shape[-1]))
-        values = full_values.new_zeros((batch, heads, total, full_values.shape[-1]))
-        if source is not None:
-            n = source.shape[-1]
-            keys[:, :, :n] = gather_slots(full_keys, source)
-            values[:, :, :n] = gather_slots(full_values, source)
-        return cls(keys, values)
-
-    def write_range(self, start: int, key_states: torch.Tensor, value_states: torch.Tensor):
-        """Draft tokens into slots ``[start, start + q)``; returns the view up to their end."""
-        end = start + key_states.shape[2]
-        self.keys[:, :, start:end] = key_states
-        self.values[:, :, start:end] = value_states
-        return self.keys[:, :, :end], self.values[:, :, :end]
-
-    def write_slots(self, slots: torch.Tensor, key_states: torch.Tensor, value_states: torch.Tensor):
-        """Draft tokens into slots ``slots [q]`` (a tensor, so that one compiled graph serves every
-        draft step); returns the whole buffer (fixed shapes)."""
-        self.keys.index_copy_(2, slots, key_states)
-        self.values.index_copy_(2, slots, value_states)
-        return self.keys, self.values
-
-    def append(self, source_keys: torch.Tensor, source_values: torch.Tensor, src: torch.Tensor,
-               dst: torch.Tensor) -> None:
-        """``self[b, :, dst[b, j]] = source[b, :, src[b, j]]`` (``[B, n]`` slots): committed tokens
-        into the rolling window, from the full KV or from this buffer's own scratch."""
-        copy_slots(source_keys, src, self.keys, dst)
-        copy_slots(source_values, src, self.values, dst)
-
-    def replace_static(self, full_keys: torch.Tensor, full_values: torch.Tensor, slots: torch.Tensor,
-                       start: int, where: torch.Tensor) -> None:
-        """View slots ``[start, start + n)`` take the full KV at ``slots [B, Hkv, n]`` where ``where``
-        (bool, broadcastable to ``[B, Hkv, n]``) holds; elsewhere they keep what they hold (those
-        copies go to the trash slot, the buffer's last: masked, not branched on, no host read)."""
-        n = slots.shape[-1]
-        target = torch.arange(start, start + n, device=slots.device).expand_as(slots)
-        target = torch.where(where.to(slots.device), target, self.keys.shape[2] - 1)
-        both = full_keys.is_contiguous() and full_values.is_contiguous() and self.keys.is_contiguous() \
-            and self.values.is_contiguous()  # then the keys' flat indices serve the values too
-        src = flat_slots(full_keys, slots) if both else None
-        dst = flat_slots(self.keys, target) if both else None
-        for source, dest in ((full_keys, self.keys), (full_values, self.values)):
-            scatter_slots(dest, target, gather_slots(source, slots, src), dst)
-
-    def drop_rows(self, holes: torch.Tensor, sources: torch.Tensor, kept: int) -> None:
-        """Rows ``sources`` into ``holes`` in place, then the first ``kept`` rows are the view's."""
-        for buffer in (self.keys, self.values):
-            if holes.numel():
-                move_rows(buffer, holes, sources, None, swap=False)
-        self.keys, self.values = self.keys[:kept], self.values[:kept]
-
-    def buffers(self) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.keys, self.values
+__all__ = ["MagicDecLayer"]
 
 
 class MagicDecLayer(CacheLayerMixin):
-    """One layer of a :class:`~hf_magicdec.engine.cache.MagicDecCache`: the full KV, the SnapKV
-    observation and the draft view (:class:`DraftKV`, None until built). ``cache``: the
-    :class:`~hf_magicdec.engine.cache.MagicDecCache` it belongs to (which allocates through it)."""
+    """One layer of a :class:`~hf_magicdec.engine.cache.MagicDecCache`: views of its group's
+    stacked full KV and draft view, and the layer's SnapKV observation. ``cache``: the
+    :class:`~hf_magicdec.engine.cache.MagicDecCache` it belongs to."""
 
     is_sliding = False
 
@@ -108,7 +38,13 @@ class MagicDecLayer(CacheLayerMixin):
         super().__init__()
         self._cache = cache
         self.layer_idx = layer_idx
-        self.draft: DraftKV | None = None
+        self.stack = None  # its LayerStack once materialised
+        self.index = 0  # its position in the stack
+        #: Keys / values of the first prefill forward (or of a cache continued from), kept until
+        #: the stacks exist: ``(keys, values)`` ``[B, Hkv, n, D]`` for slots ``[0, n)``.
+        self.pending: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.draft_keys: torch.Tensor | None = None
+        self.draft_values: torch.Tensor | None = None
         self.observed_queries: torch.Tensor | None = None  # [B, H, w, D], SnapKV's observation window
         self.scaling: float | None = None  # the attention's softmax scale, recorded with them
 
@@ -119,13 +55,8 @@ class MagicDecLayer(CacheLayerMixin):
         return self._cache.options.fixed_shapes
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        batch, kv_heads, _, head_dim = key_states.shape
-        capacity = self._cache.capacity
-        self.keys = key_states.new_zeros((batch, kv_heads, capacity, head_dim))
-        self.values = value_states.new_zeros((batch, kv_heads, capacity, value_states.shape[-1]))
         self.device, self.dtype = key_states.device, key_states.dtype
         self.is_initialized = True
-        self._cache._made(self.keys, self.values)
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         if not self.is_initialized:
@@ -141,31 +72,71 @@ class MagicDecLayer(CacheLayerMixin):
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         return self._cache.max_length() + query_length, 0
 
-    @property
-    def draft_keys(self) -> torch.Tensor | None:
-        return self.draft.keys if self.draft is not None else None
-
-    @property
-    def draft_values(self) -> torch.Tensor | None:
-        return self.draft.values if self.draft is not None else None
+    # ------------------------------------------------------------------ views of the stack
+    def bind(self) -> None:
+        """Take this layer's views of its stack (after the stack's buffers changed)."""
+        if self.stack is None:
+            return
+        self.keys, self.values = self.stack.layer_full(self.index)
+        if self.stack.draft_keys is not None:
+            self.draft_keys, self.draft_values = self.stack.layer_draft(self.index)
+        else:
+            self.draft_keys = self.draft_values = None
 
     # ------------------------------------------------------------------ the full KV's writes
     def write_prompt(self, start: int, frozen: int, key_states: torch.Tensor, value_states: torch.Tensor):
         """Prompt slots ``[start, start + q)``, except those below ``frozen`` (a continued cache's
-        KV, kept as the user gave it); returns the cache up to their end."""
+        KV, kept as the user gave it); returns the cache up to their end. Before the stacks exist
+        (the first prefill forward) the keys are kept as they are and returned."""
         end = start + key_states.shape[2]
+        if self.stack is None:
+            if start or frozen:
+                raise RuntimeError("MagicDecCache: a layer's first prompt chunk must start at slot 0.")
+            self.pending = (key_states, value_states)
+            self.keys, self.values = key_states, value_states
+            return key_states, value_states
         first = min(max(start, frozen), end)
         self.keys[:, :, first:end] = key_states[:, :, first - start :]
         self.values[:, :, first:end] = value_states[:, :, first - start :]
         return self.keys[:, :, :end], self.values[:, :, :end]
 
-    def write_rows(self, slots: torch.Tensor, key_states: torch.Tensor, value_states: torch.Tensor, end: int):
-        """Each row's tokens at its own slots ``slots [B, q]``; returns the cache up to ``end``."""
-        slots = slots[:, None, :]
-        flat = flat_slots(self.keys, slots) if self.keys.is_contiguous() and self.values.is_contiguous() else None
-        scatter_slots(self.keys, slots, key_states, flat)  # whole head vectors: no per-element index
-        scatter_slots(self.values, slots, value_states, flat)
+    def write_rows(self, flat: torch.Tensor, key_states: torch.Tensor, value_states: torch.Tensor, end: int):
+        """Each row's tokens at its own slots, given as ``flat`` rows of the ``[-1, D]`` views of
+        this layer's buffers (:func:`~.buffers.flat_slots`; every layer of a stack has the same);
+        returns the cache up to ``end``."""
+        self.keys.view(-1, self.keys.shape[-1]).index_copy_(0, flat, key_states.reshape(-1, key_states.shape[-1]))
+        self.values.view(-1, self.values.shape[-1]).index_copy_(
+            0, flat, value_states.reshape(-1, value_states.shape[-1]))
         return self.keys[:, :, :end], self.values[:, :, :end]
+
+    def write_draft_range(self, start: int, key_states: torch.Tensor, value_states: torch.Tensor):
+        """Draft tokens into view slots ``[start, start + q)``; returns the view up to their end."""
+        end = start + key_states.shape[2]
+        self.draft_keys[:, :, start:end] = key_states
+        self.draft_values[:, :, start:end] = value_states
+        return self.draft_keys[:, :, :end], self.draft_values[:, :, :end]
+
+    def write_draft_slots(self, slots: torch.Tensor, key_states: torch.Tensor, value_states: torch.Tensor):
+        """Draft tokens into view slots ``slots [q]`` (a tensor, so that one compiled graph serves
+        every draft step); returns the whole view (fixed shapes)."""
+        self.draft_keys.index_copy_(2, slots, key_states)
+        self.draft_values.index_copy_(2, slots, value_states)
+        return self.draft_keys, self.draft_values
+
+    def replace_static(self, slots: torch.Tensor, start: int, where: torch.Tensor) -> None:
+        """View slots ``[start, start + n)`` take the full KV at ``slots [B, Hkv, n]`` where ``where``
+        (bool, broadcastable to ``[B, Hkv, n]``) holds; elsewhere they keep what they hold (those
+        copies go to the trash slot, the buffer's last: masked, not branched on, no host read).
+        One layer's part of :meth:`~hf_magicdec.engine.cache.MagicDecCache.replace_static`, for a
+        query-aware view that re-chooses inside the draft forward."""
+        n = slots.shape[-1]
+        target = torch.arange(start, start + n, device=slots.device).expand_as(slots)
+        target = torch.where(where.to(slots.device), target, self.draft_keys.shape[2] - 1)
+        src = flat_slots(self.keys, slots)
+        dst = flat_slots(self.draft_keys, target)
+        for source, dest in ((self.keys, self.draft_keys), (self.values, self.draft_values)):
+            picked = source.view(-1, source.shape[-1]).index_select(0, src)
+            dest.view(-1, dest.shape[-1]).index_copy_(0, dst, picked)
 
     def observe(self, query: torch.Tensor, scaling: float | None, window: int) -> None:
         """Keep the last ``window`` prefill queries ``[B, H, w, D]`` (they arrive chunk by chunk)."""
@@ -178,55 +149,19 @@ class MagicDecLayer(CacheLayerMixin):
     def forget_observation(self) -> None:
         self.observed_queries = None
 
-    # ------------------------------------------------------------------ allocation and rows
+    # ------------------------------------------------------------------ lifetime
     def load(self, keys: torch.Tensor, values: torch.Tensor) -> None:
-        """Start from ``keys / values [B, Hkv, n, D]`` (slots ``[0, n)``), copied into own buffers."""
+        """Start from ``keys / values [B, Hkv, n, D]`` (slots ``[0, n)``), copied into the stack
+        when it is made."""
         self.lazy_initialization(keys, values)
-        n = keys.shape[2]
-        self.keys[:, :, :n] = keys
-        self.values[:, :, :n] = values
-
-    def widen(self, capacity: int, filled: int) -> None:
-        """Move into ``capacity`` slots per row, keeping ``[0, filled)`` (an empty layer stays empty)."""
-        if self.is_initialized and self.keys.shape[2]:
-            self.keys, self.values = widened(self.keys, capacity, filled), widened(self.values, capacity, filled)
-
-    def drop_rows(self, holes: torch.Tensor, sources: torch.Tensor, kept: int, filled: int,
-                  keep_finished: bool) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """Finished rows leave in place (:meth:`~hf_magicdec.engine.cache.MagicDecCache.drop_rows`):
-        rows ``sources`` into ``holes`` (slots ``[0, filled)`` of the full KV, the whole draft
-        view), then the first ``kept`` rows are the layer's. With ``keep_finished`` the holes'
-        rows go to ``sources`` and the rows from ``kept`` on are returned, slots ``[0, filled)``:
-        views of the buffers (no copy)."""
-        if not self.is_initialized:
-            return None
-        if holes.numel():
-            for buffer in (self.keys, self.values):
-                move_rows(buffer, holes, sources, filled, keep_finished)
-        gone = (self.keys[kept:, :, :filled], self.values[kept:, :, :filled]) if keep_finished else None
-        self.keys, self.values = self.keys[:kept], self.values[:kept]
-        if self.draft is not None:
-            self.draft.drop_rows(holes, sources, kept)
-        return gone
-
-    def build_view(self, total: int, source: torch.Tensor | None) -> None:
-        """A new draft view of ``total`` slots (:meth:`DraftKV.gathered`)."""
-        self.draft = DraftKV.gathered(self.keys, self.values, total, source)
-        self._cache._made(*self.draft.buffers())
-
-    def release_full(self) -> None:
-        """Free the full KV (a separate draft model attends to its views only)."""
-        if self.is_initialized:
-            self.keys, self.values = _empty_like(self.keys), _empty_like(self.values)
+        self.pending = (keys, values)
+        self.keys, self.values = keys, values
 
     def release(self) -> None:
-        """Free everything this layer holds (its KV has been handed back)."""
+        """Forget everything (the cache's KV has been handed back)."""
         if self.is_initialized:
             self.keys = self.values = self.keys.new_empty(0)
-        self.draft = None
+        self.stack = None
+        self.pending = None
+        self.draft_keys = self.draft_values = None
         self.observed_queries = None
-
-    def buffers(self) -> list[torch.Tensor]:
-        """Every KV buffer this layer holds (full and draft)."""
-        out = [self.keys, self.values] if self.is_initialized else []
-        return out + (list(self.draft.buffers()) if self.draft is not None else [])
