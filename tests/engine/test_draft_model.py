@@ -79,8 +79,8 @@ def test_draft_tokens_are_the_draft_models_own_greedy_continuation(pairs, monkey
     rounds = []
     original = loop.Engine._draft
 
-    def recording(self, b, pending, gamma):
-        drafts, probs = original(self, b, pending, gamma)
+    def recording(self, b, ctx, pending, positions, gamma):
+        drafts, probs = original(self, b, ctx, pending, positions, gamma)
         seq_len = b.seq_len[b.rows]
         for r, row in enumerate(b.rows.tolist()):
             prefix = b.tokens.tokens[row, : int(seq_len[r])].clone()

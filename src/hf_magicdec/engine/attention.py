@@ -159,7 +159,7 @@ def magicdec_attention_forward(
         return kernels.segment_attention(query, key, value, segments, scale, softcap, sinks), None
     forward.observe(layer_idx, query, scaling)
     if attention_mask is not None and not forward.passed(attention_mask):
-        magicdec_cache.real_masks = True  # see Forward.model_mask
+        magicdec_cache.mask_rewritten()  # its draft and verify forwards get real masks
     return gqa_attention(query, key, value, attention_mask, scaling, softcap, sinks), None
 
 

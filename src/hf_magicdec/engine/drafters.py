@@ -38,6 +38,7 @@ from .validation import check_model
 
 __all__ = ["Drafter", "ModelDrafter", "SelfDrafter", "check_draft_model", "new_cache", "twin_call"]
 
+#: ``step(i, tok [b, 1]) -> float logits [b, 1, V]`` of draft step ``i``.
 DraftStep = Callable[[int, torch.Tensor], torch.Tensor]
 
 
@@ -61,9 +62,10 @@ class Drafter(Protocol):
         """After the target's prefill: build the draft views (``scratch``: draft slots per round)."""
 
     def round(self, target: MagicDecCache, tokens: torch.Tensor, rows: torch.Tensor, seq_len: torch.Tensor,
-              gamma: int) -> DraftStep:
+              gamma: int, positions: torch.Tensor) -> DraftStep:
         """The draft step function of one round (``tokens``: the ``[B, capacity]`` token history,
-        ``rows [b]`` the working rows, ``seq_len [b]`` their lengths including the pending token)."""
+        ``rows [b]`` the working rows, ``seq_len [b]`` their lengths including the pending token,
+        ``positions [b, γ + 1]`` the positions of the pending token and the drafts)."""
 
     def feeds_views(self, gamma: int) -> bool:
         """Whether the target's commit after a step of ``gamma`` drafts updates the draft views."""
@@ -129,12 +131,12 @@ class SelfDrafter:
         if self.refresher is not None:
             target.attach(self.refresher)
 
-    def round(self, target, tokens, rows, seq_len, gamma) -> DraftStep:
+    def round(self, target, tokens, rows, seq_len, gamma, positions) -> DraftStep:
         if self.stale:
             target.sync_windows()
             self.stale = False
         call = self.draft_call
-        return lambda i, tok: draft_step(call, target, tok, i)
+        return lambda i, tok: draft_step(call, target, tok, i, positions[:, i:i + 1])
 
     def commit(self, emitted, accepted, gamma) -> None:
         if self.refresher is not None and not self.stale:  # re-select a static view (engine/refresh.py)
@@ -210,11 +212,11 @@ class ModelDrafter:
             self.cache.release_full_kv()
         self.refeed = torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
 
-    def round(self, target, tokens, rows, seq_len, gamma) -> DraftStep:
+    def round(self, target, tokens, rows, seq_len, gamma, positions) -> DraftStep:
         cache, call = self.cache, self.call
         self.round_gamma = gamma
         previous = tokens[rows, seq_len - 2]  # the token at slot C - 1
-        base = target.lengths - target.pad  # position of the pending token
+        base, draft_positions = positions[:, 0], positions  # the pending token's, then the drafts'
         skip = (~self.refeed).long()
 
         def step(i: int, tok: torch.Tensor) -> torch.Tensor:
@@ -223,9 +225,9 @@ class ModelDrafter:
                 positions = torch.stack([(base - 1).clamp(min=0), base], dim=1)
                 forward = cache.begin_draft(0, 2, skip)
             else:
-                positions = (base + i)[:, None]
+                positions = draft_positions[:, i:i + 1]
                 forward = cache.begin_draft(i + 1, 1, skip)
-            return call(cache, tok, positions, forward.model_mask(), logits_to_keep=1)[:, -1].float()
+            return call(cache, tok, positions, forward.model_mask(), logits_to_keep=1)[:, -1:].float()
 
         return step
 

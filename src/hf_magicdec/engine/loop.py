@@ -51,7 +51,7 @@ class _Rows:
     rows: torch.Tensor
     seq_len: torch.Tensor
     tokens: RaggedBatch
-    dead: torch.Tensor  # [b] finished rows kept in a compiled batch until it halves (fixed shapes)
+    dead: torch.Tensor | None  # [b] finished rows kept in a compiled batch until it halves (fixed shapes)
 
 
 @dataclass
@@ -138,23 +138,26 @@ class Engine:
     def _step(self, b: _Rows, stopper: Stopper, gamma: int, last: _Read) -> _Read:
         """One speculation step of the working batch, in the order of the module docstring."""
         self._drop_finished(b, last)
-        pending = self._make_room(b, gamma)
+        ctx, pending = self._make_room(b, gamma)
+        positions = self.cache.positions(gamma + 1)  # [b, γ + 1] the pending token's, then the drafts'
         t0 = time.perf_counter()
-        drafts, draft_probs = self._draft(b, pending, gamma)
+        drafts, draft_probs = self._draft(b, ctx, pending, positions, gamma)
         t1 = _synced(pending.device)
-        logits = verify_step(self.call, self.cache, pending, drafts)
-        scores = b.tokens.process(b.rows, b.seq_len[b.rows], logits)
-        accepted, nxt = self.lockstep.share(*accept(drafts, draft_probs, scores, self.do_sample))
-        accepted = accepted.masked_fill(b.dead, 0)  # kept finished rows emit and count nothing
+        logits = verify_step(self.call, self.cache, pending, drafts, positions)
+        scores = b.tokens.process(b.rows, ctx, logits)
+        # [b], [b, γ + 1]: each row emits its first accepted + 1 tokens
+        accepted, tokens = self.lockstep.share(*accept(drafts, draft_probs, scores, self.do_sample))
+        if b.dead is not None:
+            accepted = accepted.masked_fill(b.dead, 0)  # kept finished rows emit and count nothing
         t2 = _synced(pending.device)
-        tokens = torch.cat([drafts, nxt[:, None]], dim=1)
-        tokens.scatter_(1, accepted[:, None], nxt[:, None])  # [b, γ+1]; the first accepted + 1 are real
-        emitted, finished = self._emit(b, stopper, tokens, (accepted + 1).masked_fill(b.dead, 0), scores, logits)
+        num_new = accepted + 1 if b.dead is None else (accepted + 1).masked_fill(b.dead, 0)
+        emitted, finished = self._emit(b, stopper, tokens, num_new, scores, logits, ctx)
         read = self._read(finished, emitted, accepted, gamma * last.alive)
         # The verified KV of the emitted tokens; the draft views' windows only when they are read soon.
         self.cache.commit(emitted, read.longest, feed_views=self.drafter.feeds_views(gamma))
         self.drafter.commit(emitted, accepted, gamma)
-        self.observers.on_step(b.rows.masked_fill(b.dead, -1), accepted, gamma, t1 - t0, t2 - t1)
+        rows = b.rows if b.dead is None else b.rows.masked_fill(b.dead, -1)
+        self.observers.on_step(rows, accepted, gamma, t1 - t0, t2 - t1)
         return read
 
     def _idle_step(self, gamma: int) -> _Read:
@@ -178,8 +181,7 @@ class Engine:
         tokens = RaggedBatch(input_ids, initial_capacity(prompt, max_new, self.scratch), self.processors,
                              self.criteria, self.pad_id)
         b = self._final = _Rows(torch.arange(batch, device=device),
-                                torch.full((batch,), prompt, device=device, dtype=torch.long), tokens,
-                                torch.zeros(batch, dtype=torch.bool, device=device))
+                                torch.full((batch,), prompt, device=device, dtype=torch.long), tokens, None)
         self.observers.on_prompt(input_ids)
         return b, stopper, position_ids
 
@@ -217,10 +219,10 @@ class Engine:
         token, _ = pick(scores[:, 0], self.do_sample)
         return self.lockstep.share(token), scores
 
-    def _emit(self, b: _Rows, stopper: Stopper, tokens, num_new, scores, logits):
-        """Each working row emits ``tokens[r, :num_new[r]]`` up to where it stops; returns
-        ``(emitted [b], finished [b])``."""
-        emitted, finished = stopper.emit(b.tokens, b.rows, b.seq_len, tokens, num_new, b.dead)
+    def _emit(self, b: _Rows, stopper: Stopper, tokens, num_new, scores, logits, ctx=None):
+        """Each working row emits ``tokens[r, :num_new[r]]`` up to where it stops (``ctx [b]``: the
+        rows' lengths when the caller has them); returns ``(emitted [b], finished [b])``."""
+        emitted, finished = stopper.emit(b.tokens, b.rows, b.seq_len, tokens, num_new, b.dead, ctx)
         self.observers.on_tokens(b.rows, tokens, emitted, scores, logits)
         return emitted, finished
 
@@ -232,11 +234,12 @@ class Engine:
         lengths = self.cache.lengths
         if emitted is not None:
             lengths = lengths + emitted.to(lengths.device)
-        alive = (~finished).to(lengths.device)
+        finished = finished.to(lengths.device)
+        alive = ~finished
         total = accepted.sum().to(lengths.device) if accepted is not None else lengths.new_zeros(())
-        tokens = torch.where(alive, lengths - self.cache.pad, 0).sum()
-        counts = torch.stack([alive.sum(), lengths.max(), torch.where(alive, lengths, 0).max(), total, tokens])
-        values = torch.cat([counts, (~alive).long()]).tolist()
+        tokens = ((lengths - self.cache.pad) * alive).sum()
+        counts = torch.stack([alive.sum(), lengths.max(), (lengths * alive).max(), total, tokens])
+        values = torch.cat([counts, finished.long()]).tolist()
         return _Read(*values[:5], drafted=drafted, finished=finished, finished_rows=tuple(map(bool, values[5:])))
 
     def _drop_finished(self, b: _Rows, last: _Read) -> None:
@@ -244,40 +247,49 @@ class Engine:
         stay as dead rows until at most half the batch is alive, so batch sizes (graph shapes) at
         least halve from one to the next."""
         finished, alive = last.finished, last.alive
-        if alive == b.rows.shape[0] or (self.call.compiled is not None and 2 * alive > b.rows.shape[0]):
+        if alive == b.rows.shape[0]:
+            return
+        if self.call.compiled is not None and 2 * alive > b.rows.shape[0]:
             b.dead = finished
             return
         # In place: finished rows among the first `alive` take alive rows from the end. Handed
         # back, their KV stays where it is (swapped to the end) until the hand-back reads it.
         order = self.cache.drop_rows(last.finished_rows, last.longest_alive, keep_finished=self.past.outlives)
         order = order.to(b.rows.device)
-        b.rows, b.dead = b.rows[order[:alive]], b.dead.new_zeros(alive)
+        b.rows, b.dead = b.rows[order[:alive]], None
         self.drafter.drop_rows(last.finished_rows, order[:alive])
 
-    def _make_room(self, b: _Rows, gamma: int) -> torch.Tensor:
+    def _make_room(self, b: _Rows, gamma: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Grow the cache for this step (verify writes slots ``[C, C + γ + 1)`` and the next emission
-        tokens up to ``C + γ + 1``; ``C`` mirrored on the host); returns the pending tokens ``[b]``."""
+        tokens up to ``C + γ + 1``; ``C`` mirrored on the host); returns the working rows' lengths
+        (the pending token included) and their pending tokens, ``[b]`` each."""
         if self.cache.reserve(self.cache.max_length() + gamma + 2):
             b.tokens.reserve(self.cache.capacity)
-        return b.tokens.tokens[b.rows, b.seq_len[b.rows] - 1]
+        ctx = b.seq_len[b.rows]
+        return ctx, b.tokens.tokens[b.rows, ctx - 1]
 
-    def _draft(self, b: _Rows, pending: torch.Tensor, gamma: int):
+    def _draft(self, b: _Rows, ctx: torch.Tensor, pending: torch.Tensor, positions: torch.Tensor, gamma: int):
         """γ draft tokens per row, each chosen as the target would choose (processors, sampling).
         Returns ``drafts [b, γ]`` and, when sampling, the draft distributions ``[b, γ, V]``."""
         if gamma == 0:
             return pending.new_empty((pending.shape[0], 0)), None
-        seq_len = b.seq_len[b.rows]
-        step = self.drafter.round(self.cache, b.tokens.tokens, b.rows, seq_len, gamma)
+        step = self.drafter.round(self.cache, b.tokens.tokens, b.rows, ctx, gamma, positions)
+        # Processors that read the tokens see each draft in the history before the next step.
+        history = not b.tokens.per_row
         tok, drafts, probs = pending[:, None], [], []
         for i in range(gamma):
-            scores = b.tokens.process(b.rows, seq_len + i, step(i, tok)[:, None])[:, 0]
-            d, p = pick(scores, self.do_sample)
-            d = self.lockstep.share(d)
-            b.tokens.tokens[b.rows, seq_len + i] = d  # later draft steps' processors see it
-            drafts.append(d)
-            probs.append(p)
-            tok = d[:, None]
-        return torch.stack(drafts, dim=1), (torch.stack(probs, dim=1) if self.do_sample else None)
+            scores = b.tokens.process(b.rows, ctx, step(i, tok), offset=i)  # [b, 1, V]
+            if self.do_sample:
+                d, p = pick(scores[:, 0], True)
+                tok = d[:, None]
+                probs.append(p)
+            else:
+                tok = scores.argmax(dim=-1)  # [b, 1]
+            tok = self.lockstep.share(tok)
+            if history:
+                b.tokens.tokens[b.rows, ctx + i] = tok[:, 0]
+            drafts.append(tok)
+        return torch.cat(drafts, dim=1), (torch.stack(probs, dim=1) if self.do_sample else None)
 
     # ------------------------------------------------------------------ results
     def returned_kv(self, sequences: torch.Tensor) -> LayerKV | None:

@@ -73,7 +73,8 @@ class RaggedBatch:
         grown[:, : self.tokens.shape[1]] = self.tokens
         self.tokens = grown
 
-    def process(self, rows: torch.Tensor, context_len: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+    def process(self, rows: torch.Tensor, context_len: torch.Tensor, logits: torch.Tensor, offset: int = 0
+                ) -> torch.Tensor:
         """Apply the logits processors at ragged positions.
 
         Parameters
@@ -83,6 +84,7 @@ class RaggedBatch:
             Position ``j`` of a row sees the context ``tokens[row, :len + j]``, so draft tokens
             must already be written at ``tokens[row, len:len + j]``.
         logits : ``[b, n, V]`` float logits.
+        offset : added to every ``context_len`` (a draft step's index).
 
         Returns
         -------
@@ -90,6 +92,8 @@ class RaggedBatch:
         """
         if len(self.processors) == 0:
             return logits
+        if offset:
+            context_len = context_len + offset
         b, n, vocab = logits.shape
         if self.per_row:
             return self._process_per_row(context_len, logits)

@@ -100,12 +100,18 @@ def accept(drafts: torch.Tensor, draft_probs: torch.Tensor | None, target_scores
            do_sample: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """Verify ``drafts [b, γ]`` against processed ``target_scores [b, γ + 1, V]``.
 
-    Returns ``(accepted [b], next_tokens [b])``. With γ = 0 this is plain decoding: the same draw
-    as stock ``generate``.
+    Returns ``(accepted [b], tokens [b, γ + 1])``: each row emits ``tokens[r, :accepted[r] + 1]``
+    (its accepted drafts, then the recovered or bonus token; the rest is arbitrary). With γ = 0
+    this is plain decoding: the same draw as stock ``generate``.
     """
     if drafts.shape[1] == 0:
         accepted = torch.zeros(drafts.shape[0], dtype=torch.long, device=drafts.device)
-        return accepted, pick(target_scores[:, 0], do_sample)[0]
+        return accepted, pick(target_scores[:, 0], do_sample)[0][:, None]
     if do_sample:
-        return rejection_sample(drafts, draft_probs, torch.softmax(target_scores, dim=-1))
-    return greedy_verify(drafts, target_scores)
+        accepted, nxt = rejection_sample(drafts, draft_probs, torch.softmax(target_scores, dim=-1))
+        tokens = torch.cat([drafts, nxt[:, None]], dim=1)
+        return accepted, tokens.scatter_(1, accepted[:, None], nxt[:, None])
+    # Greedy: the accepted drafts are the target's own argmax, so its argmax row is the emission.
+    target_tokens = target_scores.argmax(dim=-1)  # [b, γ + 1]
+    match = drafts == target_tokens[:, :-1]
+    return match.long().cumprod(dim=1).sum(dim=1), target_tokens

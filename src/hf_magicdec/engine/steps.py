@@ -95,7 +95,7 @@ class ModelCall:
             kwargs["logits_to_keep"] = logits_to_keep
         model_mask = {"full_attention": mask, "sliding_attention": mask} if self.mask_per_layer_type else mask
         if cache.forward is not None:
-            cache.forward.given_mask = mask
+            cache.forward.record_mask(mask)
         forward = self.model if eager or self.compiled is None else self.compiled
         # The context variable is set outside the compiled region (dynamo does not trace it).
         with attention.engine_forward(cache):
@@ -126,19 +126,29 @@ def prefill(call: ModelCall, cache: MagicDecCache, input_ids: torch.Tensor, posi
     return logits
 
 
-def draft_step(call: ModelCall, cache: MagicDecCache, tok: torch.Tensor, step: int) -> torch.Tensor:
+def draft_step(call: ModelCall, cache: MagicDecCache, tok: torch.Tensor, step: int,
+               positions: torch.Tensor | None = None) -> torch.Tensor:
     """Draft step ``step`` of the model on its own draft views: ``tok [b, 1]`` (the pending token
-    or the previous draft) at each row's next position; float logits ``[b, V]``."""
+    or the previous draft) at each row's next position (``positions [b, 1]`` when the caller has
+    them); float logits ``[b, 1, V]``."""
     forward = cache.begin_draft(step)
-    positions = (cache.lengths - cache.pad + step)[:, None]
-    return call(cache, tok, positions, forward.model_mask(), logits_to_keep=1)[:, -1].float()
+    if positions is None:
+        positions = (cache.lengths - cache.pad + step)[:, None]
+    return _float(call(cache, tok, positions, forward.model_mask(), logits_to_keep=1))
 
 
-def verify_step(call: ModelCall, cache: MagicDecCache, pending: torch.Tensor, drafts: torch.Tensor) -> torch.Tensor:
+def verify_step(call: ModelCall, cache: MagicDecCache, pending: torch.Tensor, drafts: torch.Tensor,
+                positions: torch.Tensor | None = None) -> torch.Tensor:
     """One forward of ``[pending, d_1 … d_γ]`` per row at its own offset on the full cache
-    (``pending [b]``, ``drafts [b, γ]``); float logits ``[b, γ + 1, V]``."""
+    (``pending [b]``, ``drafts [b, γ]``, their ``positions [b, γ + 1]`` when the caller has them);
+    float logits ``[b, γ + 1, V]``."""
     q = drafts.shape[1] + 1
     forward = cache.begin_verify(q)
-    positions = cache.lengths[:, None] - cache.pad[:, None] + torch.arange(q, device=pending.device)
-    ids = torch.cat([pending[:, None], drafts], dim=1)
-    return call(cache, ids, positions, forward.model_mask(), logits_to_keep=0).float()
+    if positions is None:
+        positions = cache.lengths[:, None] - cache.pad[:, None] + torch.arange(q, device=pending.device)
+    ids = torch.cat([pending[:, None], drafts], dim=1) if q > 1 else pending[:, None]
+    return _float(call(cache, ids, positions, forward.model_mask(), logits_to_keep=0))
+
+
+def _float(logits: torch.Tensor) -> torch.Tensor:
+    return logits if logits.dtype == torch.float32 else logits.float()

@@ -159,6 +159,7 @@ class VerifiedSelection(CacheHook):
     needs_layout: bool = True
     commits: int = 0
     verifying: int = 0
+    _memo: dict = field(default_factory=dict, repr=False)  # per-row constants of the choice (_constants)
 
     def verify_page_size(self, num_tokens: int) -> int:
         """Pages the verify forward of ``num_tokens`` tokens emits mass for: only the verification
@@ -179,6 +180,7 @@ class VerifiedSelection(CacheHook):
 
     def select_rows(self, rows: torch.Tensor) -> None:
         self.mass = {i: t.index_select(0, rows.to(t.device)) for i, t in self.mass.items()}
+        self._memo = {}
 
     def on_commit(self, cache: ViewCache) -> None:
         """Count a verification; every ``every`` of them, choose the static part of every row that
@@ -206,27 +208,37 @@ class VerifiedSelection(CacheHook):
         """Every layer's static part from its mass: the layers whose buffers are stacked together
         (``cache.layer_groups``) are chosen together, one top-k over all their heads and one copy
         into all their views, so the choice costs the same at any depth."""
-        view, geometry = self.view, cache.geometry
-        page, sinks = view.page_size, min(view.sink_tokens, self.static)
-        lo = cache.pad + sinks  # [B] candidates: after the sinks, before the window
-        hi = cache.pad + (cache.lengths - cache.pad) - geometry.window_filled()
+        page, sinks = self.view.page_size, min(self.view.sink_tokens, self.static)
+        hi = (cache.lengths - cache.geometry.window_filled())[:, None]  # [B, 1] candidates end before the window
         for group, members in enumerate(cache.layer_groups):
             layers = [i for i in members if i in self.mass]
             if not layers:
                 continue
             mass = torch.cat([self.mass[i] for i in layers], dim=1)  # [B, layers * Hkv, N]
-            dev, heads, n_pages = mass.device, self.mass[layers[0]].shape[1], mass.shape[-1]
-            pages = torch.arange(n_pages, device=dev)
-            start = torch.maximum(pages[None, :] * page, lo.to(dev)[:, None])  # [B, N]
-            tokens = (torch.minimum((pages[None, :] + 1) * page, hi.to(dev)[:, None]) - start).clamp(min=0)
+            heads, n_pages = self.mass[layers[0]].shape[1], mass.shape[-1]
+            lower, upper, lo, first = self._constants(cache, n_pages, page, sinks, mass.device)
+            start = torch.maximum(lower, lo)  # [B, N] candidates: after the sinks, before the window
+            tokens = (torch.minimum(upper, hi.to(mass.device)) - start).clamp_(min=0)
             chosen = select_page_slots(mass, start, tokens, self.static - sinks, page)
-            first = (cache.pad.to(dev)[:, None] + torch.arange(sinks, device=dev)[None, :])[:, None, :]
-            slots = torch.cat([first.expand(-1, chosen.shape[1], -1), chosen], dim=-1)
-            slots = slots.clamp(max=cache.layers[layers[0]].keys.shape[2] - 1)
-            where = ready.to(dev)[:, None, None]
+            slots = torch.cat([first.expand(-1, chosen.shape[1], -1), chosen], dim=-1) if sinks else chosen
+            slots = slots.clamp_(max=cache.layers[layers[0]].keys.shape[2] - 1)
+            where = ready.to(mass.device)[:, None, None]
             if len(layers) == len(members):  # the whole group: one copy
                 slots = slots.view(slots.shape[0], len(layers), heads, -1).transpose(0, 1)  # [L, B, Hkv, n]
                 cache.replace_static_group(group, slots, where)
                 continue
             for i, layer_idx in enumerate(layers):  # some layers emitted no usable mass
                 cache.replace_static(layer_idx, slots[:, i * heads:(i + 1) * heads], where)
+
+    def _constants(self, cache: ViewCache, n_pages: int, page: int, sinks: int, device):
+        """Tensors that change only with the rows or the page count, made once: each page's first
+        and past-the-end slot ``[1, N]``, each row's first candidate slot ``[B, 1]`` and its sink
+        slots ``[B, 1, sinks]``."""
+        key = (n_pages, device)
+        hit = self._memo.get(key)
+        if hit is None:
+            pages = torch.arange(n_pages, device=device)[None, :]
+            pad = cache.pad.to(device)[:, None]
+            first = (pad + torch.arange(sinks, device=device)[None, :])[:, None, :]
+            hit = self._memo[key] = (pages * page, (pages + 1) * page, pad + sinks, first)
+        return hit

@@ -220,6 +220,11 @@ class MagicDecCache(Cache):
             hit = self._row_tensors["filled"] = self._geometry.filled().to(torch.int32)
         return hit
 
+    def positions(self, num_tokens: int) -> torch.Tensor:
+        """``[B, num_tokens]`` positions of each row's next ``num_tokens`` tokens (the pending one
+        first): a step's draft and verify positions, made once."""
+        return (self._lengths - self._pad)[:, None] + self._window_offsets(num_tokens)
+
     def draft_slots(self, first, num_tokens: int) -> torch.Tensor:
         """``[num_tokens]`` draft-view slots from ``first`` (an int: made once per call; a 0-d
         tensor: computed, inside a compiled step)."""
@@ -241,6 +246,11 @@ class MagicDecCache(Cache):
                 one = self._row_tensors["one"] = torch.ones((), dtype=torch.bool, device=self._pad.device)
             hit = self._row_tensors[key] = one.expand(self.num_rows, 1, q_len, kv_len)
         return hit
+
+    def mask_rewritten(self) -> None:
+        """The model's attention received another mask than the one it was called with: the model
+        rewrites its mask (seen during prefill), so later forwards hand it the real one."""
+        self.real_masks = True
 
     def _views_moved(self) -> None:
         """The draft views' fill changed (a commit, a re-layout)."""
@@ -481,10 +491,10 @@ class MagicDecCache(Cache):
         """As :meth:`replace_static` for every layer of stack ``group`` at once (``slots
         [L, B, Hkv, n]`` in the stack's layer order; one gather and one scatter per K and V)."""
         stack = self._stacks[group]
-        n = slots.shape[-1]
-        target = torch.arange(start, start + n, device=slots.device)
-        target = torch.where(where.to(slots.device), target, self._geometry.trash_slot)  # [B|1, Hkv|1, n]
-        stack.copy(stack.full_index(slots), stack.draft_index(target.expand(slots.shape[1:])[None]), from_full=True)
+        target = self._window_offsets(slots.shape[-1])
+        target = torch.where(where.to(slots.device), target + start if start else target, self._geometry.trash_slot)
+        # target [B|1, Hkv|1, n]: the same view slots in every layer
+        stack.copy(stack.full_index(slots), stack.draft_index(target[None]), from_full=True)
 
     def attach(self, hook: CacheHook) -> None:
         """Keep ``hook``'s per-row state aligned with the cache's rows (and call its query hooks)."""
@@ -508,7 +518,7 @@ class MagicDecCache(Cache):
             raise RuntimeError("MagicDecCache.commit() follows a verify forward (begin_verify).")
         num_tokens = num_tokens.to(self._lengths.device)
         if self._geometry is not None and feed_views:
-            src = (self._lengths[:, None] + self._window_offsets(verify.num_tokens)).clamp(max=self._capacity - 1)
+            src = self._lengths[:, None] + self._window_offsets(verify.num_tokens)  # in range: reserve()
             dst = self._geometry.ring_targets(num_tokens, verify.num_tokens)
             for stack in self._stacks:
                 stack.full_to_draft(*self._on(stack.device, src, dst))

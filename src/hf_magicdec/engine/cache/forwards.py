@@ -83,6 +83,10 @@ class Forward:
             return self.mask(self.num_tokens, self.kv_length)
         return self.cache.broadcast_mask(self.num_tokens, self.kv_length)
 
+    def record_mask(self, mask: torch.Tensor) -> None:
+        """The ``attention_mask`` the engine is calling the model with (see :meth:`passed`)."""
+        self.given_mask = mask
+
     def passed(self, mask: torch.Tensor | None) -> bool:
         """Whether ``mask`` (as attention received it) is, or slices, what the engine gave the model."""
         given = self.given_mask

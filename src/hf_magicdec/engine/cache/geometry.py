@@ -17,7 +17,7 @@ policies only read it.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -45,6 +45,7 @@ class DraftGeometry:
     ring_size: torch.Tensor
     ring_ptr: torch.Tensor
     static_candidates: torch.Tensor
+    _aranges: dict = field(default_factory=dict, repr=False, compare=False)
 
     @classmethod
     def for_prompt(cls, static_slots: int, window_slots: int, scratch: int, prompt_slots: int,
@@ -98,9 +99,15 @@ class DraftGeometry:
     def ring_targets(self, count: torch.Tensor, width: int) -> torch.Tensor:
         """``[B, width]`` view slots for the next ``count[b]`` tokens of each row's window (in order),
         the trash slot for the rest."""
-        j = torch.arange(width, device=count.device)
-        ring = self.static_count[:, None] + (self.ring_ptr[:, None] + j) % self.ring_size[:, None]
-        return torch.where(j[None, :] < count[:, None], ring, torch.full_like(ring, self.trash_slot))
+        j = self._arange(width, count.device)  # [1, width]
+        ring = (self.ring_ptr[:, None] + j).remainder_(self.ring_size[:, None]).add_(self.static_count[:, None])
+        return ring.masked_fill_(j >= count[:, None], self.trash_slot)
+
+    def _arange(self, width: int, device) -> torch.Tensor:
+        hit = self._aranges.get(width)
+        if hit is None:
+            hit = self._aranges[width] = torch.arange(width, device=device)[None, :]
+        return hit
 
     # ------------------------------------------------------------------ changes (the cache's)
     def advance(self, count: torch.Tensor) -> None:

@@ -48,6 +48,7 @@ class LayerStack:
         self.draft_values: torch.Tensor | None = None
         self.rows = keys.shape[1]  # rows in use: the first `rows` of the buffers' B0
         self._bases: dict[tuple, torch.Tensor] = {}
+        self._flat_views: tuple | None = None
 
     # ------------------------------------------------------------------ shapes
     @property
@@ -100,10 +101,19 @@ class LayerStack:
     def copy(self, src: torch.Tensor, dst: torch.Tensor, from_full: bool) -> None:
         """Flat rows ``src`` of the full (or draft) buffers into flat rows ``dst`` of the draft
         buffers; a destination written twice (the trash slot) gets one of its values."""
-        sources = (self.keys, self.values) if from_full else (self.draft_keys, self.draft_values)
-        for source, dest in zip(sources, (self.draft_keys, self.draft_values)):
-            flat = dest.view(-1, dest.shape[-1])
-            flat.index_copy_(0, dst, source.view(-1, source.shape[-1]).index_select(0, src))
+        flat = self._flat()
+        sources = flat[:2] if from_full else flat[2:]
+        for source, dest in zip(sources, flat[2:]):
+            dest.index_copy_(0, dst, source.index_select(0, src))
+
+    def _flat(self) -> tuple[torch.Tensor, ...]:
+        """The buffers as ``[-1, D]`` views (full keys, values, draft keys, values), made once per
+        allocation."""
+        made = self._flat_views
+        if made is None or made[0] is not self.keys or made[1] is not self.draft_keys:
+            views = tuple(b.view(-1, b.shape[-1]) for b in (self.keys, self.values, self.draft_keys, self.draft_values))
+            self._flat_views = made = (self.keys, self.draft_keys, views)
+        return made[2]
 
     # ------------------------------------------------------------------ allocation
     def build_draft(self, total: int, source: torch.Tensor | None) -> None:
