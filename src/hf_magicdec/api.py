@@ -28,6 +28,7 @@ from .engine.gamma import AdaptiveGamma, FixedGamma
 from .engine.loop import Engine, left_padding
 from .engine.observers import AcceptanceRecorder, Observers, ScoresRecorder, StatsRecorder, StreamerHook
 from .engine.outputs import MagicDecOutput, SpeculationStats
+from .engine.compiled import StepGraphs
 from .engine.steps import ModelCall, compile_config_for
 from .engine.validation import check_generation_config, check_model, check_model_kwargs
 from .parallel.lockstep import Lockstep, resolve_synced_gpus
@@ -233,8 +234,9 @@ def _speculate(call: _Call, resolution: Resolution, draft_model):
     streamer = call.request.streamer
     observers = Observers(StatsRecorder(stats, call.input_ids.device), scores, remember,
                           StreamerHook(streamer) if streamer is not None else None)
+    graphs = StepGraphs(call.compile_config) if call.compile_config is not None else None
     engine = Engine(target, drafter, gen, call.logits_processor, call.stopping_criteria, chunk, scratch, gamma,
-                    observers, call.lockstep)
+                    observers, call.lockstep, graphs)
     sequences = engine.run(call.input_ids, call.model_kwargs.get("attention_mask"),
                            call.model_kwargs.get("position_ids"), call.past)
     stats.refreshes = drafter.refreshes

@@ -23,13 +23,16 @@ nothing left under ``synced_gpus`` runs the same iterations on nothing: :meth:`E
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass
 
 import torch
 
+from ..notices import notice
 from ..parallel.lockstep import LOCAL, Lockstep
 from .cache import CacheOptions, initial_capacity
+from .compiled import StepGraphs, compiled_forwards, read_counts, watch_recompile_limit, why_not_captured
 from .continuation import Continuation, LayerKV, fill_tails
 from .drafters import Drafter, new_cache
 from .gamma import FixedGamma
@@ -41,6 +44,9 @@ from .steps import ModelCall, prefill, verify_step
 from .stopping import Stopper
 
 __all__ = ["Engine", "left_padding"]
+
+#: Compiled steps allocate the call's capacity in multiples of this many slots per row.
+CAPACITY_BUCKET = 256
 
 
 @dataclass
@@ -67,6 +73,11 @@ class _Read:
     finished: torch.Tensor | None = None
     finished_rows: tuple[bool, ...] = ()  # ``finished`` on the host
 
+    @classmethod
+    def unpack(cls, values: list[int], drafted: int, finished: torch.Tensor) -> "_Read":
+        """From :func:`~hf_magicdec.engine.compiled.read_counts`, read on the host."""
+        return cls(*values[:5], drafted=drafted, finished=finished, finished_rows=tuple(map(bool, values[5:])))
+
 
 class Engine:
     """The machinery of one generation.
@@ -81,16 +92,22 @@ class Engine:
     gamma : a γ policy (:mod:`hf_magicdec.engine.gamma`); default fixed 0.
     observers : what watches the loop.
     lockstep : agreement across ranks (a no-op in one process).
+    graphs : the speculation step in compiled regions (:mod:`hf_magicdec.engine.compiled`), or None
+        (eager, or the model forwards alone compiled: ``call.compiled``).
     """
 
     def __init__(self, call: ModelCall, drafter: Drafter, generation_config, logits_processor, stopping_criteria,
-                 chunk: int, scratch: int, gamma=None, observers: Observer | None = None, lockstep: Lockstep = LOCAL):
+                 chunk: int, scratch: int, gamma=None, observers: Observer | None = None, lockstep: Lockstep = LOCAL,
+                 graphs: StepGraphs | None = None):
         self.call, self.drafter, self.gen = call, drafter, generation_config
         self.processors, self.criteria = logits_processor, stopping_criteria
         self.chunk, self.scratch = chunk, scratch
         self.gamma = gamma if gamma is not None else FixedGamma(0)
         self.observers = observers if observers is not None else Observer()
         self.lockstep = lockstep
+        self.graphs = graphs
+        #: Whether the steps are compiled (regions or forwards): fixed shapes, capacity for the call.
+        self.captured = graphs is not None or call.compiled is not None
         self.do_sample = bool(generation_config.do_sample)
         pad = generation_config._pad_token_tensor
         self.pad_id = int(pad.item()) if pad is not None else 0  # fill of unused slots and of rows' ends
@@ -109,14 +126,24 @@ class Engine:
         committed KV of every row is kept for :meth:`returned_kv`."""
         self.past = past if past is not None else Continuation(None)
         b, stopper, position_ids = self._start(input_ids, attention_mask, position_ids)
+        if self.graphs is not None:
+            why = why_not_captured(b.tokens, self.lockstep, self.drafter, LOCAL)
+            if why is not None:
+                notice(f"compile=: the speculation step cannot run in compiled graphs with {why}; only the model "
+                       "forwards are compiled (the step's bookkeeping runs eagerly).", stacklevel=6)
+                self.graphs = None
+        if self.captured:
+            watch_recompile_limit()
         read = self._begin(b, stopper, input_ids, position_ids)
         self.gamma.after_step(0, 0, read.alive, read.context)  # the first γ, for the prompt's context
-        while self.lockstep.any_alive(read.alive > 0):
-            gamma, start = self.gamma.gamma, time.perf_counter()
-            read = self._step(b, stopper, gamma, read) if read.alive else self._idle_step(gamma)
-            # The step's wall time (its one host read has waited for the device): a schedule
-            # checks the cost model against it.
-            self.gamma.after_step(read.accepted, read.drafted, read.alive, read.context, time.perf_counter() - start)
+        with compiled_forwards() if self.captured else contextlib.nullcontext():
+            while self.lockstep.any_alive(read.alive > 0):
+                gamma, start = self.gamma.gamma, time.perf_counter()
+                read = self._step(b, stopper, gamma, read) if read.alive else self._idle_step(gamma)
+                # The step's wall time (its one host read has waited for the device): a schedule
+                # checks the cost model against it.
+                self.gamma.after_step(read.accepted, read.drafted, read.alive, read.context,
+                                      time.perf_counter() - start)
         self.observers.on_end()
         return self._sequences(b)
 
@@ -137,6 +164,8 @@ class Engine:
 
     def _step(self, b: _Rows, stopper: Stopper, gamma: int, last: _Read) -> _Read:
         """One speculation step of the working batch, in the order of the module docstring."""
+        if self.graphs is not None:
+            return self._captured_step(b, stopper, gamma, last)
         self._drop_finished(b, last)
         ctx, pending = self._make_room(b, gamma)
         positions = self.cache.positions(gamma + 1)  # [b, γ + 1] the pending token's, then the drafts'
@@ -160,6 +189,30 @@ class Engine:
         self.observers.on_step(rows, accepted, gamma, t1 - t0, t2 - t1)
         return read
 
+    def _captured_step(self, b: _Rows, stopper: Stopper, gamma: int, last: _Read) -> _Read:
+        """:meth:`_step` in compiled regions (:mod:`hf_magicdec.engine.compiled`): the drafts, then
+        verify-to-commit, then the step's one host read."""
+        self._drop_finished(b, last)
+        ctx, pending = self._make_room(b, gamma)
+        cache, graphs = self.cache, self.graphs
+        positions = cache.positions(gamma + 1)
+        t0 = time.perf_counter()
+        self.drafter.round(cache, b.tokens.tokens, b.rows, ctx, gamma, positions)  # brings stale windows up to date
+        drafts, draft_probs = graphs.draft(self.drafter.draft_call, cache, b.rows, ctx, pending, positions, b.tokens,
+                                           gamma, self.do_sample)
+        t1 = _synced(pending.device)
+        accepted, tokens, emitted, finished, counts, scores, logits = graphs.verify(
+            self.call, cache, stopper, b.tokens, b.seq_len, b.rows, ctx, pending, drafts, draft_probs, positions,
+            b.dead, self.do_sample, self.drafter.feeds_views(gamma))
+        t2 = _synced(pending.device)
+        self.observers.on_tokens(b.rows, tokens, emitted, scores, logits)
+        read = _Read.unpack(counts.tolist(), gamma * last.alive, finished)
+        cache.end_step(read.longest)
+        self.drafter.commit(emitted, accepted, gamma)
+        rows = b.rows if b.dead is None else b.rows.masked_fill(b.dead, -1)
+        self.observers.on_step(rows, accepted, gamma, t1 - t0, t2 - t1)
+        return read
+
     def _idle_step(self, gamma: int) -> _Read:
         """A rank with nothing left under ``synced_gpus`` while others still decode: the target
         forwards of a real step (γ draft forwards when the model drafts on its own views, one
@@ -178,10 +231,11 @@ class Engine:
             position_ids = (torch.arange(prompt, device=device)[None, :] - pad[:, None]).clamp(min=0)
         eos = self.gen._eos_token_tensor
         stopper = Stopper(batch, prompt, max_new, eos.to(device) if eos is not None else None, device)
-        tokens = RaggedBatch(input_ids, initial_capacity(prompt, max_new, self.scratch), self.processors,
+        tokens = RaggedBatch(input_ids, self._capacity(prompt, max_new), self.processors,
                              self.criteria, self.pad_id)
         b = self._final = _Rows(torch.arange(batch, device=device),
-                                torch.full((batch,), prompt, device=device, dtype=torch.long), tokens, None)
+                                torch.full((batch,), prompt, device=device, dtype=torch.long), tokens,
+                                self._no_dead(batch, device))
         self.observers.on_prompt(input_ids)
         return b, stopper, position_ids
 
@@ -190,11 +244,16 @@ class Engine:
         continuing from ``past``, from a few cached tokens earlier when SnapKV needs the last
         prompt queries; their cached KV is kept); returns the last logits ``[B, 1, V]``."""
         prompt = input_ids.shape[1]
-        capacity = initial_capacity(prompt, max_new, self.scratch)
-        compiled = self.call.compiled is not None
+        capacity = self._capacity(prompt, max_new)
+        compiled = self.captured
         options = CacheOptions(observation_window=self.drafter.observation_window(),
-                               position_limit=self.gen.max_length, max_capacity=prompt + max_new + self.scratch + 1,
-                               fixed_shapes=compiled, static_addresses=compiled and input_ids.device.type == "cuda")
+                               position_limit=self.gen.max_length,
+                               max_capacity=max(capacity, prompt + max_new + self.scratch + 1),
+                               fixed_shapes=compiled,
+                               # CUDA graphs of the model forwards write the KV in place. The step's
+                               # regions keep their shapes dynamic instead (static inputs are not).
+                               static_addresses=self.call.compiled is not None and self.graphs is None
+                               and input_ids.device.type == "cuda")
         first = 0
         if not self.past.length:
             self.lockstep.plan_forwards(-(-prompt // self.chunk))
@@ -212,6 +271,17 @@ class Engine:
         if not self.past.length:
             store_prefill(input_ids, position_ids, self._pad, self.chunk, self.cache, logits)
         return logits
+
+    def _no_dead(self, rows: int, device) -> torch.Tensor | None:
+        """No row dead yet: None for eager steps, a tensor for compiled ones (one graph either way)."""
+        return torch.zeros(rows, dtype=torch.bool, device=device) if self.captured else None
+
+    def _capacity(self, prompt: int, max_new: int) -> int:
+        """Slots per row to allocate at prefill: what the call can write when the steps are
+        compiled (their graphs never see the cache grow), else a headroom grown on demand."""
+        if self.captured:  # rounded up, so that calls of nearby lengths share their graphs
+            return -(-(prompt + max_new + self.scratch + 1) // CAPACITY_BUCKET) * CAPACITY_BUCKET
+        return initial_capacity(prompt, max_new, self.scratch)
 
     def _choose(self, b: _Rows, logits: torch.Tensor):
         """The first token of every row from its last prompt logits ``[B, 1, V]``."""
@@ -234,13 +304,7 @@ class Engine:
         lengths = self.cache.lengths
         if emitted is not None:
             lengths = lengths + emitted.to(lengths.device)
-        finished = finished.to(lengths.device)
-        alive = ~finished
-        total = accepted.sum().to(lengths.device) if accepted is not None else lengths.new_zeros(())
-        tokens = ((lengths - self.cache.pad) * alive).sum()
-        counts = torch.stack([alive.sum(), lengths.max(), (lengths * alive).max(), total, tokens])
-        values = torch.cat([counts, finished.long()]).tolist()
-        return _Read(*values[:5], drafted=drafted, finished=finished, finished_rows=tuple(map(bool, values[5:])))
+        return _Read.unpack(read_counts(lengths, self.cache.pad, finished, accepted).tolist(), drafted, finished)
 
     def _drop_finished(self, b: _Rows, last: _Read) -> None:
         """Finished rows leave the working batch at once, except under compiled steps: there they
@@ -249,14 +313,14 @@ class Engine:
         finished, alive = last.finished, last.alive
         if alive == b.rows.shape[0]:
             return
-        if self.call.compiled is not None and 2 * alive > b.rows.shape[0]:
+        if self.captured and 2 * alive > b.rows.shape[0]:
             b.dead = finished
             return
         # In place: finished rows among the first `alive` take alive rows from the end. Handed
         # back, their KV stays where it is (swapped to the end) until the hand-back reads it.
         order = self.cache.drop_rows(last.finished_rows, last.longest_alive, keep_finished=self.past.outlives)
         order = order.to(b.rows.device)
-        b.rows, b.dead = b.rows[order[:alive]], None
+        b.rows, b.dead = b.rows[order[:alive]], self._no_dead(alive, b.rows.device)
         self.drafter.drop_rows(last.finished_rows, order[:alive])
 
     def _make_room(self, b: _Rows, gamma: int) -> tuple[torch.Tensor, torch.Tensor]:

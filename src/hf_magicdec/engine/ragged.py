@@ -73,8 +73,8 @@ class RaggedBatch:
         grown[:, : self.tokens.shape[1]] = self.tokens
         self.tokens = grown
 
-    def process(self, rows: torch.Tensor, context_len: torch.Tensor, logits: torch.Tensor, offset: int = 0
-                ) -> torch.Tensor:
+    def process(self, rows: torch.Tensor, context_len: torch.Tensor, logits: torch.Tensor,
+                offset: int | torch.Tensor = 0) -> torch.Tensor:
         """Apply the logits processors at ragged positions.
 
         Parameters
@@ -92,7 +92,7 @@ class RaggedBatch:
         """
         if len(self.processors) == 0:
             return logits
-        if offset:
+        if isinstance(offset, torch.Tensor) or offset:  # a tensor inside a compiled draft step
             context_len = context_len + offset
         b, n, vocab = logits.shape
         if self.per_row:

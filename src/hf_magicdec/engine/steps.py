@@ -90,17 +90,23 @@ class ModelCall:
         that does not use them. ``eager``: never the compiled call (prefill, whose shapes change
         with every chunk).
         """
+        # The context variable is set outside the compiled region (dynamo does not trace it).
+        with attention.engine_forward(cache):
+            return self.forward(cache, ids, positions, mask, logits_to_keep,
+                                self.model if eager or self.compiled is None else self.compiled)
+
+    def forward(self, cache: MagicDecCache, ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor,
+                logits_to_keep: int | None, forward: Callable | None = None) -> torch.Tensor:
+        """:meth:`__call__` inside :func:`~hf_magicdec.engine.attention.engine_forward` (which a
+        compiled step sets around its graph), with ``forward`` (default: the eager model)."""
         kwargs: dict[str, Any] = {"magicdec_cache": cache, self.cache_kwarg: cache}
         if self.keep_logits and logits_to_keep is not None:
             kwargs["logits_to_keep"] = logits_to_keep
         model_mask = {"full_attention": mask, "sliding_attention": mask} if self.mask_per_layer_type else mask
         if cache.forward is not None:
             cache.forward.record_mask(mask)
-        forward = self.model if eager or self.compiled is None else self.compiled
-        # The context variable is set outside the compiled region (dynamo does not trace it).
-        with attention.engine_forward(cache):
-            out = forward(input_ids=ids, position_ids=positions, attention_mask=model_mask, use_cache=True,
-                          return_dict=True, **kwargs)
+        out = (forward or self.model)(input_ids=ids, position_ids=positions, attention_mask=model_mask,
+                                      use_cache=True, return_dict=True, **kwargs)
         logits = out.logits
         return logits[:, -1:] if logits_to_keep == 1 and logits.shape[1] != 1 else logits
 

@@ -96,7 +96,9 @@ class Stopper:
         return emitted, torch.minimum(ctx + emitted, cap[rows]), emitted >= room
 
     def _offsets(self, width: int, device) -> torch.Tensor:
-        """``[1, width]`` arange, made once per width."""
+        """``[1, width]`` arange, made once per width (in a graph: each time, for free)."""
+        if torch.compiler.is_compiling():
+            return torch.arange(width, device=device)[None, :]
         hit = self._aranges.get(width)
         if hit is None:
             hit = self._aranges[width] = torch.arange(width, device=device)[None, :]

@@ -144,6 +144,10 @@ class MagicDecCache(Cache):
     @property
     def capacity(self) -> int:
         """Slots per row allocated in every layer's full KV."""
+        if torch.compiler.is_compiling() and self._stacks:
+            # A size, not the int attribute: a compiled step then serves every capacity (dynamo
+            # specialises an attribute's int, and marks a changing size dynamic).
+            return self.layers[self._stacks[0].layers[0]].keys.shape[2]
         return self._capacity
 
     @property
@@ -199,53 +203,45 @@ class MagicDecCache(Cache):
         return self._max_len
 
     # ------------------------------------------------------------------ per-row constants
-    def row_constant(self, value: int) -> torch.Tensor:
-        """``[B]`` int32 tensor of ``value`` (key-range bounds), made once per set of rows."""
-        hit = self._row_tensors.get(("const", value))
+    def _per_rows(self, key, build):
+        """``build()``, kept until the rows change (or the views move, for the views' fill). Inside
+        a compiled step it is simply built: there it costs nothing, and a memo would make every
+        state of the dict a graph of its own."""
+        if torch.compiler.is_compiling():
+            return build()
+        hit = self._row_tensors.get(key)
         if hit is None:
-            hit = self._row_tensors[("const", value)] = torch.full_like(self._pad, value, dtype=torch.int32)
+            hit = self._row_tensors[key] = build()
         return hit
+
+    def row_constant(self, value: int) -> torch.Tensor:
+        """``[B]`` int32 tensor of ``value`` (key-range bounds)."""
+        return self._per_rows(("const", value), lambda: torch.full_like(self._pad, value, dtype=torch.int32))
 
     @property
     def pad32(self) -> torch.Tensor:
-        hit = self._row_tensors.get("pad32")
-        if hit is None:
-            hit = self._row_tensors["pad32"] = self._pad.to(torch.int32)
-        return hit
+        return self._per_rows("pad32", lambda: self._pad.to(torch.int32))
 
     def draft_filled(self) -> torch.Tensor:
         """``[B]`` int32 filled slots of each row's draft view (valid until the next commit)."""
-        hit = self._row_tensors.get("filled")
-        if hit is None:
-            hit = self._row_tensors["filled"] = self._geometry.filled().to(torch.int32)
-        return hit
+        return self._per_rows("filled", lambda: self._geometry.filled().to(torch.int32))
 
     def positions(self, num_tokens: int) -> torch.Tensor:
         """``[B, num_tokens]`` positions of each row's next ``num_tokens`` tokens (the pending one
-        first): a step's draft and verify positions, made once."""
+        first): a step's draft and verify positions."""
         return (self._lengths - self._pad)[:, None] + self._window_offsets(num_tokens)
 
     def draft_slots(self, first, num_tokens: int) -> torch.Tensor:
-        """``[num_tokens]`` draft-view slots from ``first`` (an int: made once per call; a 0-d
-        tensor: computed, inside a compiled step)."""
+        """``[num_tokens]`` draft-view slots from ``first`` (an int, or a 0-d tensor in a compiled
+        draft step)."""
         if isinstance(first, torch.Tensor):
             return first + self._window_offsets(num_tokens)
-        key = ("slots", first, num_tokens)
-        hit = self._row_tensors.get(key)
-        if hit is None:
-            hit = self._row_tensors[key] = first + self._window_offsets(num_tokens)
-        return hit
+        return self._per_rows(("slots", first, num_tokens), lambda: first + self._window_offsets(num_tokens))
 
     def broadcast_mask(self, q_len: int, kv_len: int) -> torch.Tensor:
         """A ``[B, 1, q_len, kv_len]`` bool tensor of one stored element (see :meth:`Forward.model_mask`)."""
-        key = ("mask", q_len, kv_len)
-        hit = self._row_tensors.get(key)
-        if hit is None:
-            one = self._row_tensors.get("one")
-            if one is None:
-                one = self._row_tensors["one"] = torch.ones((), dtype=torch.bool, device=self._pad.device)
-            hit = self._row_tensors[key] = one.expand(self.num_rows, 1, q_len, kv_len)
-        return hit
+        one = self._per_rows("one", lambda: torch.ones((), dtype=torch.bool, device=self._pad.device))
+        return self._per_rows(("mask", q_len, kv_len), lambda: one.expand(self.num_rows, 1, q_len, kv_len))
 
     def mask_rewritten(self) -> None:
         """The model's attention received another mask than the one it was called with: the model
@@ -253,8 +249,9 @@ class MagicDecCache(Cache):
         self.real_masks = True
 
     def _views_moved(self) -> None:
-        """The draft views' fill changed (a commit, a re-layout)."""
-        self._row_tensors.pop("filled", None)
+        """The draft views' fill changed (a commit, a re-layout). Compiled steps keep no memo."""
+        if not torch.compiler.is_compiling():
+            self._row_tensors.pop("filled", None)
 
     def _rows_changed(self) -> None:
         one = self._row_tensors.get("one")
@@ -513,6 +510,12 @@ class MagicDecCache(Cache):
         feed_views : False: leave the windows as they are (plain-decoding steps of a schedule,
             whose views nobody reads); :meth:`sync_windows` brings them up to date before drafting.
         """
+        self.commit_tokens(num_tokens, feed_views)
+        self.end_step(max_length if max_length is not None else self._read_max_length())
+
+    def commit_tokens(self, num_tokens: torch.Tensor, feed_views: bool = True) -> None:
+        """The device part of :meth:`commit` (what a compiled step captures): the lengths move and
+        the windows take the committed KV. :meth:`end_step` must follow."""
         verify = self._forward
         if not isinstance(verify, VerifyForward):
             raise RuntimeError("MagicDecCache.commit() follows a verify forward (begin_verify).")
@@ -525,18 +528,18 @@ class MagicDecCache(Cache):
             self._geometry.advance(num_tokens)
             self._views_moved()
         self._lengths += num_tokens
-        self._max_len = max_length if max_length is not None else self._read_max_length()
+
+    def end_step(self, max_length: int) -> None:
+        """The host part of :meth:`commit`: ``max_length`` is the new ``lengths.max()`` (read by the
+        caller); the attached hooks see the commit (e.g. the verification-guided view chooses)."""
+        self._max_len = max_length
         self._forward = None
-        for hook in self._hooks:  # e.g. the verification-guided view chooses its static part
+        for hook in self._hooks:
             hook.on_commit(self)
 
     def _window_offsets(self, n: int) -> torch.Tensor:
         """``[n]`` arange on the rows' device, made once."""
-        key = ("arange", n)
-        hit = self._row_tensors.get(key)
-        if hit is None:
-            hit = self._row_tensors[key] = torch.arange(n, device=self._lengths.device)
-        return hit
+        return self._per_rows(("arange", n), lambda: torch.arange(n, device=self._lengths.device))
 
     def _on(self, device: torch.device, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
         return tensors if tensors[0].device == device else tuple(t.to(device) for t in tensors)

@@ -104,6 +104,8 @@ class DraftGeometry:
         return ring.masked_fill_(j >= count[:, None], self.trash_slot)
 
     def _arange(self, width: int, device) -> torch.Tensor:
+        if torch.compiler.is_compiling():  # free in a graph; a memo would specialise it
+            return torch.arange(width, device=device)[None, :]
         hit = self._aranges.get(width)
         if hit is None:
             hit = self._aranges[width] = torch.arange(width, device=device)[None, :]

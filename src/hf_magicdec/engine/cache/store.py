@@ -47,8 +47,7 @@ class LayerStack:
         self.draft_keys: torch.Tensor | None = None
         self.draft_values: torch.Tensor | None = None
         self.rows = keys.shape[1]  # rows in use: the first `rows` of the buffers' B0
-        self._bases: dict[tuple, torch.Tensor] = {}
-        self._flat_views: tuple | None = None
+        self._refresh()
 
     # ------------------------------------------------------------------ shapes
     @property
@@ -69,25 +68,25 @@ class LayerStack:
     def layer_draft(self, j: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.draft_keys[j, : self.rows], self.draft_values[j, : self.rows]
 
-    def _base(self, buffer: torch.Tensor) -> torch.Tensor:
-        """``[L, B, Hkv, 1]`` flat row index of slot 0 of every (layer, row, head) of ``buffer``
-        viewed as ``[-1, D]`` (memoised per buffer shape and rows in use)."""
-        layers, batch0, heads, slots = buffer.shape[:4]
-        key = (buffer.data_ptr(), tuple(buffer.shape), self.rows)
-        hit = self._bases.get(key)
-        if hit is None:
-            lbh = torch.arange(layers * batch0 * heads, device=buffer.device).view(layers, batch0, heads, 1)
-            hit = self._bases[key] = lbh[:, : self.rows] * slots
-        return hit
+    def _refresh(self) -> None:
+        """Remake what is derived from the buffers and the rows in use (after either changed): the
+        flat row index of slot 0 of every (layer, row, head), ``[L, B, Hkv, 1]``, of the full and
+        draft buffers viewed as ``[-1, D]``, and those flat views. Made here, between steps, so
+        that a compiled step only adds slots to them."""
+        self._full_base = _slot0(self.keys, self.rows)
+        self._draft_base = _slot0(self.draft_keys, self.rows) if self.draft_keys is not None else None
+        buffers = (self.keys, self.values) + ((self.draft_keys, self.draft_values) if self.draft_keys is not None
+                                              else ())
+        self._flat = tuple(b.view(-1, b.shape[-1]) for b in buffers)
 
     # ------------------------------------------------------------------ copies between slots
     def full_index(self, slots: torch.Tensor) -> torch.Tensor:
         """Flat indices of full-KV ``slots`` (``[B, n]``, or ``[L, B, Hkv, n]``) of every layer."""
-        return (self._base(self.keys) + _as_lbhn(slots)).reshape(-1)
+        return (self._full_base + _as_lbhn(slots)).reshape(-1)
 
     def draft_index(self, slots: torch.Tensor) -> torch.Tensor:
         """Flat indices of draft-view ``slots`` (``[B, n]``, or ``[L, B, Hkv, n]``) of every layer."""
-        return (self._base(self.draft_keys) + _as_lbhn(slots)).reshape(-1)
+        return (self._draft_base + _as_lbhn(slots)).reshape(-1)
 
     def full_to_draft(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         """``draft[l, b, h, dst[.., j]] = full[l, b, h, src[.., j]]`` for every layer (``[B, n]``
@@ -101,19 +100,10 @@ class LayerStack:
     def copy(self, src: torch.Tensor, dst: torch.Tensor, from_full: bool) -> None:
         """Flat rows ``src`` of the full (or draft) buffers into flat rows ``dst`` of the draft
         buffers; a destination written twice (the trash slot) gets one of its values."""
-        flat = self._flat()
+        flat = self._flat
         sources = flat[:2] if from_full else flat[2:]
         for source, dest in zip(sources, flat[2:]):
             dest.index_copy_(0, dst, source.index_select(0, src))
-
-    def _flat(self) -> tuple[torch.Tensor, ...]:
-        """The buffers as ``[-1, D]`` views (full keys, values, draft keys, values), made once per
-        allocation."""
-        made = self._flat_views
-        if made is None or made[0] is not self.keys or made[1] is not self.draft_keys:
-            views = tuple(b.view(-1, b.shape[-1]) for b in (self.keys, self.values, self.draft_keys, self.draft_values))
-            self._flat_views = made = (self.keys, self.draft_keys, views)
-        return made[2]
 
     # ------------------------------------------------------------------ allocation
     def build_draft(self, total: int, source: torch.Tensor | None) -> None:
@@ -123,7 +113,7 @@ class LayerStack:
         shape = (layers, self.rows, heads, total)
         self.draft_keys = self.keys.new_zeros((*shape, self.keys.shape[-1]))
         self.draft_values = self.values.new_zeros((*shape, self.values.shape[-1]))
-        self._bases.clear()
+        self._refresh()
         if source is not None:
             n = source.shape[-1]
             self.copy(self.full_index(source), self.draft_index(torch.arange(n, device=source.device)[None, :]
@@ -138,12 +128,13 @@ class LayerStack:
             new[:, :, :, :filled] = old[:, :, :, :filled]
             new[:, :, :, filled:].zero_()
             setattr(self, name, new)
-        self._bases.clear()
+        self._refresh()
 
     def release_full(self) -> None:
         """Free the full KV (a separate draft model attends to its views only)."""
         self.keys = self.keys.new_empty((*self.keys.shape[:3], 0, self.keys.shape[-1]))
         self.values = self.values.new_empty((*self.values.shape[:3], 0, self.values.shape[-1]))
+        self._refresh()
 
     def buffers(self) -> list[torch.Tensor]:
         out = [self.keys, self.values]
@@ -164,7 +155,14 @@ class LayerStack:
                     region.index_copy_(1, sources, region.index_select(1, holes))
                 region.index_copy_(1, holes, arrived)
         self.rows = kept
-        self._bases.clear()
+        self._refresh()
+
+
+def _slot0(buffer: torch.Tensor, rows: int) -> torch.Tensor:
+    """``[L, rows, Hkv, 1]`` flat index of slot 0 of each (layer, row, head) of ``buffer``."""
+    layers, batch0, heads, slots = buffer.shape[:4]
+    lbh = torch.arange(layers * batch0 * heads, device=buffer.device).view(layers, batch0, heads, 1)
+    return lbh[:, :rows] * slots
 
 
 def _as_lbhn(slots: torch.Tensor) -> torch.Tensor:
