@@ -49,6 +49,17 @@ def test_compiled_steps_identical_with_bounded_graphs(fresh_dynamo, draft):
     assert torch.equal(reference, again) and _graphs(fresh_dynamo) == before
 
 
+def test_compiled_plain_decoding_on_our_cache(fresh_dynamo):
+    """γ = 0 (asked for, or where adaptive γ lowers it) runs the verify region alone."""
+    model = make_model("llama-gqa3")
+    ids, mask = ragged_prompts(batch=3, length=24, seed=2)
+    kwargs = dict(input_ids=ids, attention_mask=mask, max_new_tokens=20, do_sample=False, eos_token_id=EOS)
+    out = model.generate(**kwargs, speculative="magicdec", draft="snapkv", draft_budget=12, window=4, gamma=0,
+                         compile=CAPTURE, return_dict_in_generate=True)
+    assert torch.equal(model.generate(**kwargs), out.sequences)
+    assert out.speculation.steps > 0 and out.speculation.gamma == 0
+
+
 def test_compiled_sampling_equals_eager_sampling(fresh_dynamo):
     model = make_model("llama-gqa3")
     ids, mask = ragged_prompts(batch=2, length=20, seed=3)

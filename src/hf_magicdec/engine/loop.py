@@ -197,9 +197,12 @@ class Engine:
         cache, graphs = self.cache, self.graphs
         positions = cache.positions(gamma + 1)
         t0 = time.perf_counter()
-        self.drafter.round(cache, b.tokens.tokens, b.rows, ctx, gamma, positions)  # brings stale windows up to date
-        drafts, draft_probs = graphs.draft(self.drafter.draft_call, cache, b.rows, ctx, pending, positions, b.tokens,
-                                           gamma, self.do_sample)
+        if gamma:  # γ = 0 verifies the pending token alone: plain decoding in the verify region
+            self.drafter.round(cache, b.tokens.tokens, b.rows, ctx, gamma, positions)  # brings stale windows up to date
+            drafts, draft_probs = graphs.draft(self.drafter.draft_call, cache, b.rows, ctx, pending, positions,
+                                               b.tokens, gamma, self.do_sample)
+        else:
+            drafts, draft_probs = pending.new_empty((pending.shape[0], 0)), None
         t1 = _synced(pending.device)
         accepted, tokens, emitted, finished, counts, scores, logits = graphs.verify(
             self.call, cache, stopper, b.tokens, b.seq_len, b.rows, ctx, pending, drafts, draft_probs, positions,
