@@ -50,6 +50,8 @@ IMAGE = {
 #: transformers 5.17.0 with them, so they satisfy what 5.17.0 requires of them (its Requires-Dist).
 IMAGE_SATISFIES = {
     "packaging": ">=20.0", "pyyaml": ">=5.1", "regex": ">=2025.10.22", "typer": "", "tqdm": ">=4.60",
+    # KINDS.md lists it on the image without a version; gguf asks for >=2.25 (2020).
+    "requests": ">=2.25",
 }
 #: Never carried: the image's builds (CUDA 13) are what the GPU run measures.
 NEVER_CARRY = {"torch", "triton"}
@@ -89,8 +91,13 @@ def image_satisfies(req: Requirement, image: dict = IMAGE, implied: dict = IMAGE
     name = canonicalize_name(req.name)
     if name in image:
         return req.specifier.contains(Version(image[name]), prereleases=True)
-    if name in implied and str(req.specifier) in ("", str(SpecifierSet(implied[name]))):
-        return True
+    if name in implied:
+        if str(req.specifier) in ("", str(SpecifierSet(implied[name]))):
+            return True
+        # A lower bound no higher than one the image is known to meet is met too.
+        floors = [Version(s.version) for s in SpecifierSet(implied[name]) if s.operator == ">="]
+        if floors and all(s.operator == ">=" and Version(s.version) <= floors[0] for s in req.specifier):
+            return True
     return None
 
 
@@ -201,12 +208,16 @@ def main(argv=None) -> int:
     parser.add_argument("--dest", type=Path, default=ROOT / ".whl")
     parser.add_argument("--check-only", action="store_true", help="only add up what travels (no download)")
     parser.add_argument("--verify-env", action="store_true", help="check the installed environment instead")
+    parser.add_argument("--also", nargs="*", default=[], metavar="SPEC",
+                        help="more wheels to carry, e.g. gguf==0.19.0 (their requirements followed too)")
+    parser.add_argument("--carry", nargs="*", default=[], metavar="PATH",
+                        help="other carried paths to count in the size check, e.g. .gpu_b")
     args = parser.parse_args(argv)
     if args.verify_env:
         return verify_env()
     if not args.check_only:
         args.dest.mkdir(parents=True, exist_ok=True)
-        queue, chosen = list(WANTED), {}
+        queue, chosen = [*WANTED, *args.also], {}
         while queue:
             spec = queue.pop(0)
             name = canonicalize_name(Requirement(spec).name)
@@ -229,7 +240,7 @@ def main(argv=None) -> int:
     dest = args.dest.resolve()
     if not dest.is_relative_to(ROOT):
         raise SystemExit(f"--dest must be inside the repository ({ROOT}): only the repository travels")
-    return check_size(ROOT, (dest.relative_to(ROOT).as_posix(),))
+    return check_size(ROOT, (dest.relative_to(ROOT).as_posix(), *args.carry))
 
 
 if __name__ == "__main__":

@@ -135,9 +135,16 @@ def test_requirements_are_checked_against_the_image(tmp_path):
     hub = _fake_wheel(tmp_path / "huggingface_hub-1.41.0-py3-none-any.whl", [])
     assert wheels.plan([newer, hub])[0] == []
 
+    # gguf 0.19.0 (the headline run's loader): lower bounds at or below what the image meets are met.
+    gguf = _fake_wheel(tmp_path / "gguf-0.19.0-py3-none-any.whl", ["numpy>=1.17", "pyyaml>=5.1", "requests>=2.25",
+                                                                   "tqdm>=4.27"])
+    assert wheels.plan([gguf])[0] == []
+
     # Unknown versions fail loudly, and so does a need for another torch than the image's.
     with pytest.raises(SystemExit, match="cannot tell"):
         wheels.plan([_fake_wheel(tmp_path / "a-1.0-py3-none-any.whl", ["regex>=2026.1"])])
+    with pytest.raises(SystemExit, match="cannot tell"):
+        wheels.plan([_fake_wheel(tmp_path / "d-1.0-py3-none-any.whl", ["tqdm>=4.27,<4.50"])])
     with pytest.raises(SystemExit, match="cannot tell"):
         wheels.plan([_fake_wheel(tmp_path / "b-1.0-py3-none-any.whl", ["no-such-package"])])
     with pytest.raises(SystemExit, match="is what is measured"):

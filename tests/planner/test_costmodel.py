@@ -611,6 +611,19 @@ def test_measure_steps_on_a_sliding_window_model():
     assert steps.t_target > 0 and steps.t_draft[32] > 0
 
 
+def test_measure_steps_capacity_must_hold_a_verification():
+    """A compiled generate reads its whole (rounded-up) buffer; ``capacity=`` times that, and says
+    before any forward when it cannot hold the context and one verification."""
+    from conftest import make_model
+    from hf_magicdec import calibration
+
+    model = make_model("llama-gqa3")
+    with pytest.raises(ValueError, match="capacity must hold.*at least 101; got capacity=100"):
+        calibration.measure_steps(model, 2, 96, gammas=(1, 3), budgets=(32,), repeats=1, capacity=100)
+    steps = calibration.measure_steps(model, 2, 96, gammas=(3,), budgets=(32,), repeats=1, capacity=256)
+    assert steps.t_verify[3] > 0 and steps.t_draft[32] > 0
+
+
 def test_eager_host_time_per_layer_unless_captured():
     """On a GPU an eager forward pays ~0.3 ms of host time per layer (operator launches); captured
     steps (compile=) do not. The planner must not promise an eager speedup the host cannot deliver."""

@@ -88,6 +88,7 @@ def measure_steps(
     statistic: str = "median",
     compile_config: Any = None,
     draft_weights: str = "full",
+    capacity: int | None = None,
 ) -> StepTimes:
     """Time T_T, T_V(γ) and T_D(budget) with the engine's own forwards on one prefilled cache.
 
@@ -128,6 +129,10 @@ def measure_steps(
         ``"int8"`` / ``"fp16"`` / ``"int4"``: also time the draft steps on the model's quantized twin
         (:mod:`hf_magicdec.engine.draft_weights`; ``StepTimes.t_draft_quantized``), as
         ``draft_weights=`` runs them. ``"full"``: the full-precision draft only.
+    capacity : int, optional
+        Slots per row of the timed cache, at least ``context + max(gammas) + 2`` (the default). A
+        compiled step reads the whole buffer, so to time the steps of a compiled ``generate`` pass
+        the capacity it allocates: prompt + ``max_new_tokens`` + γ + 1, rounded up to 256.
 
     Returns
     -------
@@ -140,6 +145,11 @@ def measure_steps(
     """
     gammas, budgets = tuple(gammas), tuple(budgets)
     _check_sizes(batch, context, repeats, gammas, budgets, statistic, input_ids)
+    if capacity is not None:
+        check_int("capacity", capacity)
+        if capacity < context + max(gammas) + 2:
+            raise ValueError(f"capacity must hold the context and a verification, at least "
+                             f"{context + max(gammas) + 2}; got {capacity=}.")
     device = next(model.parameters()).device
     quantized = draft_weights not in ("full", AUTO)
     if quantized:
@@ -156,14 +166,15 @@ def measure_steps(
         call = ModelCall.of(model, compile_config)
         twin = twin_call(draft_twin(model, draft_weights), compile_config) if quantized else None
         t0 = time.perf_counter()
-        cache = _timing_cache(model, batch, context, context + q_max + 1, view.observation_window(),
+        cache = _timing_cache(model, batch, context, capacity or context + q_max + 1, view.observation_window(),
                               call.compiled is not None, input_ids)
         cache.build_draft_views(view, budgets[0], 1, context, 64)
         sync()
         prefill_seconds = time.perf_counter() - t0
         jobs = _jobs(call, twin, cache, view, tokens, gammas, budgets, context)
         # Compiled: one graph per budget and verify width, more than dynamo's default limit of 8.
-        limit = torch._dynamo.config.patch(recompile_limit=64) if call.compiled is not None else contextlib.nullcontext()
+        compiled = call.compiled is not None
+        limit = torch._dynamo.config.patch(recompile_limit=64) if compiled else contextlib.nullcontext()
         with limit:
             times = _time_rounds(jobs, repeats, sync, statistic)
     return StepTimes(batch, context, draft, times[("target", 1)],
