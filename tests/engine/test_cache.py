@@ -223,7 +223,7 @@ def test_stack_move_rows_moves_only_filled_slots(swap):
     keys, values = torch.randn(2, 5, 2, 7, 3), torch.randn(2, 5, 2, 7, 3)
     before = keys.clone()
     stack = LayerStack([0, 1], keys, values)
-    stack.move_rows(torch.tensor([0, 2]), torch.tensor([3, 4]), kept=3, filled=5, swap=swap)
+    stack.move_rows([0, 2], [3, 4], kept=3, filled=5, swap=swap)
     assert stack.rows == 3
     assert torch.equal(keys[:, [0, 2], :, :5], before[:, [3, 4], :, :5])
     assert torch.equal(keys[:, 1], before[:, 1])

@@ -53,17 +53,3 @@ def flat_slots(buffer: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
     slots = slots.expand(batch, heads, slots.shape[-1])
     rows = torch.arange(batch * heads, device=slots.device).view(batch, heads, 1) * length
     return (rows + slots).reshape(-1)
-
-
-def per_device(*tensors: torch.Tensor):
-    """``on(device)``: ``tensors`` on ``device``, copied once per device (device maps) rather than
-    once per layer."""
-    copies: dict[torch.device, tuple[torch.Tensor, ...]] = {}
-
-    def on(device: torch.device) -> tuple[torch.Tensor, ...]:
-        hit = copies.get(device)
-        if hit is None:
-            hit = copies[device] = tuple(t.to(device) for t in tensors)
-        return hit
-
-    return on

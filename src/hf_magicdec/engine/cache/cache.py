@@ -41,7 +41,7 @@ import torch
 from transformers.cache_utils import Cache
 
 from ...views import CacheHook, DraftView, ScoreContext
-from .buffers import grown_capacity, per_device, row_moves
+from .buffers import grown_capacity, row_moves
 from .forwards import DraftForward, Forward, PrefillForward, VerifyForward
 from .geometry import DraftGeometry
 from .layers import MagicDecLayer
@@ -630,12 +630,10 @@ class MagicDecCache(Cache):
         if keep_finished and kept < len(finished):
             self._finished.append(_Finished(self.row_ids.index_select(0, order[kept:]),
                                             self._lengths.index_select(0, order[kept:]), []))
-        on = per_device(torch.tensor(holes, dtype=torch.long, device=device),
-                        torch.tensor(sources, dtype=torch.long, device=device))
         filled = self._max_len
         for stack in self._stacks:
             rows = stack.rows
-            stack.move_rows(*on(stack.device), kept, filled, swap=keep_finished)
+            stack.move_rows(holes, sources, kept, filled, swap=keep_finished)
             if keep_finished and kept < len(finished):
                 self._finished[-1].kv.append((stack.keys[:, kept:rows, :, :filled],
                                               stack.values[:, kept:rows, :, :filled]))

@@ -19,6 +19,8 @@ and one ``index_copy_`` for keys and one of each for values.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 __all__ = ["LayerStack", "stack_key"]
@@ -141,19 +143,24 @@ class LayerStack:
         return out + ([self.draft_keys, self.draft_values] if self.draft_keys is not None else [])
 
     # ------------------------------------------------------------------ rows
-    def move_rows(self, holes: torch.Tensor, sources: torch.Tensor, kept: int, filled: int, swap: bool) -> None:
-        """In place: rows ``sources`` into rows ``holes`` (full KV slots ``[0, filled)``, the whole
-        draft view; ``swap``: the holes' rows go to ``sources``), then the first ``kept`` rows are
-        the ones in use."""
-        if holes.numel():
+    def move_rows(self, holes: Sequence[int], sources: Sequence[int], kept: int, filled: int, swap: bool) -> None:
+        """In place: rows ``sources`` into rows ``holes`` (host lists of disjoint rows, paired; full
+        KV slots ``[0, filled)`` and the whole draft view; ``swap``: the holes' rows go to
+        ``sources``), then the first ``kept`` rows are the ones in use.
+
+        One slice copy per row pair and buffer: an ``index_select`` along the row dimension of a
+        sliced ``[L, B, Hkv, S, D]`` stack gathers through the whole stack (on a CPU as slow as
+        copying all of it), where a row's slice copies only that row."""
+        if holes:
             regions = [b[:, : self.rows, :, :filled] for b in (self.keys, self.values) if b.shape[3]]
             if self.draft_keys is not None:
                 regions += [self.draft_keys[:, : self.rows], self.draft_values[:, : self.rows]]
             for region in regions:
-                arrived = region.index_select(1, sources)
-                if swap:
-                    region.index_copy_(1, sources, region.index_select(1, holes))
-                region.index_copy_(1, holes, arrived)
+                for hole, source in zip(holes, sources):
+                    leaving = region[:, hole].clone() if swap else None
+                    region[:, hole].copy_(region[:, source])
+                    if swap:
+                        region[:, source].copy_(leaving)
         self.rows = kept
         self._refresh()
 
