@@ -67,12 +67,40 @@ def enable() -> None:
 
     generate._hf_magicdec_routing = True
     GenerationMixin.generate = generate
+    _guard_continuous_batching()
 
 
 def disable() -> None:
     """Remove the routing and restore transformers' own ``generate`` (idempotent)."""
     if is_enabled() and _original_generate is not None:
         GenerationMixin.generate = _original_generate
+        if "init_continuous_batching" in vars(GenerationMixin):
+            del GenerationMixin.init_continuous_batching  # the inherited ContinuousMixin method again
+
+
+def _guard_continuous_batching() -> None:
+    """transformers' continuous batching (``generate_batch``, ``continuous_batching_context_manager``,
+    ``init_continuous_batching``: all three build their manager in the last) decodes with its own
+    paged loop and never calls ``generate``. A generation config asking for MagicDec there would be
+    ignored without a word; say which path runs instead."""
+    original = getattr(GenerationMixin, "init_continuous_batching", None)
+    if original is None:  # a transformers without continuous batching
+        return
+
+    @functools.wraps(original)
+    def init_continuous_batching(self, *args, **kwargs):
+        config = kwargs.get("generation_config", args[0] if args else None)
+        spec = _requested(self, (None, config), {}, None)
+        options = carried_options(getattr(self, "generation_config", None), config)
+        if spec not in _OFF or options:
+            asked = f"speculative={spec!r}" if spec not in _OFF else f"MagicDec options {sorted(options)}"
+            notice(f"{asked} does not apply to transformers' continuous batching (generate_batch, "
+                   "init_continuous_batching, continuous_batching_context_manager): these requests decode with "
+                   "transformers' continuous batching and no speculation. For MagicDec, call model.generate(input_ids, "
+                   "attention_mask=..., speculative='magicdec') on a padded batch.", stacklevel=3)
+        return original(self, *args, **kwargs)
+
+    GenerationMixin.init_continuous_batching = init_continuous_batching
 
 
 def _requested(model, args, kwargs, signature) -> Any:

@@ -141,3 +141,38 @@ def test_options_as_keywords_without_speculative_are_refused_with_a_hint(model):
     """Stock ``generate`` would refuse ``draft=`` as an unused model kwarg without saying why."""
     with pytest.raises(ValueError, match=r"\['draft', 'gamma'\] are MagicDec options.*speculative='magicdec'"):
         model.generate(**_inputs(), generation_config=_config(), draft="snapkv", gamma=2)
+
+
+def test_continuous_batching_says_it_does_not_speculate(model):
+    """``generate_batch`` / ``init_continuous_batching`` (TRL's ``use_transformers_continuous_batching``)
+    run transformers' own paged loop, never ``generate``: a config asking for MagicDec there gets a
+    warning naming the path that ran, and one that does not ask gets none."""
+    from transformers.generation.configuration_utils import ContinuousBatchingConfig
+
+    config = _config(speculative="magicdec", **SETTINGS)
+    with pytest.warns(hf_magicdec.MagicDecWarning, match="continuous batching.*no speculation"):
+        model.init_continuous_batching(generation_config=config)
+    with pytest.warns(hf_magicdec.MagicDecWarning, match=r"MagicDec options \['draft'"):
+        model.init_continuous_batching(_config(draft="snapkv"))
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        model.init_continuous_batching(generation_config=_config())
+    assert not _magicdec_warnings(record)
+
+    with pytest.warns(hf_magicdec.MagicDecWarning, match="continuous batching"):
+        small = ContinuousBatchingConfig(num_blocks=8, max_batch_tokens=32)  # sized for the test, not the host
+        out = model.generate_batch([[5, 6, 7, 8], [9, 10]], generation_config=_config(speculative="magicdec"),
+                                   continuous_batching_config=small, max_new_tokens=3, warmup=False)
+    assert len(out) == 2
+
+
+def test_disable_restores_continuous_batching():
+    from transformers.generation.utils import GenerationMixin
+
+    assert "init_continuous_batching" in vars(GenerationMixin)
+    hf_magicdec.disable()
+    try:
+        assert "init_continuous_batching" not in vars(GenerationMixin)
+    finally:
+        hf_magicdec.enable()
+    assert "init_continuous_batching" in vars(GenerationMixin)
