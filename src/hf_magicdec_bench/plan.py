@@ -188,8 +188,9 @@ def _calibration(args, name: str, spec) -> Any:
     from hf_magicdec import calibration
     from hf_magicdec.planner import calibrate as cal
 
-    if args.calibrate is False or args.hardware is not None:
-        return None
+    measure = args.calibrate or args.recalibrate
+    if args.calibrate is False or (args.hardware is not None and not (args.hardware == "cpu" and measure)):
+        return None  # a preset: --hardware cpu only plans for this CPU when asked to measure it
     if args.device == "cuda":
         import torch
 
@@ -236,7 +237,9 @@ def plan_one(spec, args, calibration: Any, batch: int, context: int):
     from hf_magicdec.views import get_view
 
     if not args.what_if:
-        preset = args.hardware or (None if args.calibrate is not False else _device_preset(args.device))
+        # With a calibration (cached, or measured for --hardware cpu --calibrate) generate's own lookup finds it.
+        preset = None if calibration is not None else \
+            args.hardware or (None if args.calibrate is not False else _device_preset(args.device))
         return hf_magicdec.plan(spec, device=args.device, tp=args.tp, batch_size=batch, prompt_len=context,
                                 new_tokens=args.new_tokens, hardware=preset, draft=args.draft,
                                 draft_budget=_auto_or_int(args.draft_budget), gamma=_auto_or_int(args.gamma),
@@ -360,6 +363,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = ap.parse_args(list(sys.argv[1:] if argv is None else argv))
     if args.hardware is not None and args.hardware not in PRESETS:
         ap.error(f"--hardware {args.hardware!r}: choose one of {', '.join(PRESETS)}")
+    if (args.calibrate or args.recalibrate) and args.hardware not in (None, "cpu"):
+        ap.error(f"--calibrate measures this machine, and --hardware {args.hardware!r} plans for that preset "
+                 "without measuring: drop one (on a machine with that GPU: --device cuda --calibrate)")
     for flag in ("batch", "tp"):
         if getattr(args, flag) < 1:
             print(f"hf-magicdec plan: --{flag.replace('_', '-')} must be >= 1", file=sys.stderr)

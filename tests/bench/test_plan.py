@@ -82,3 +82,36 @@ def test_default_plan_is_generates_plan_on_this_device(tmp_path, capsys):
     assert cli.main(["--model", str(config), "--device", "cpu", "--no-calibrate", "--acceptance", "0.9", "--json",
                      "--grid-batches", "1"]) == 0
     assert json.loads(capsys.readouterr().out)["what_if"] is True
+
+
+@pytest.mark.filterwarnings("ignore:calibrating while the machine is busy")
+def test_hardware_and_calibrate(tmp_path, monkeypatch, capsys):
+    """``--hardware cpu --calibrate`` (the README's line) measures this CPU and plans with it; a GPU
+    preset with ``--calibrate`` is refused, since this machine cannot measure that GPU."""
+    from conftest import make_model
+
+    from hf_magicdec import calibration
+
+    model = make_model("llama-gqa3")
+    config = tmp_path / "tiny" / "config.json"
+    config.parent.mkdir()
+    config.write_text(model.config.to_json_string())
+    monkeypatch.setenv("HF_MAGICDEC_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(cli, "_load_model", lambda *a: (model, None))
+    measured = []
+    real = calibration.calibrate
+
+    def calibrate(model, **kwargs):  # small points: the tiny model's positions, a few seconds
+        measured.append(kwargs)
+        return real(model, **kwargs, points=((1, 64), (2, 96)), gammas=(1, 3), budgets=(32,), repeats=1, passes=1)
+
+    monkeypatch.setattr(calibration, "calibrate", calibrate)
+    args = ["--model", str(config), "--batch", "2", "--prompt-len", "96", "--new-tokens", "8", "--json",
+            "--grid-batches", "1", "--grid-contexts", "64"]
+    assert cli.main([*args, "--hardware", "cpu", "--calibrate"]) == 0
+    shown = json.loads(capsys.readouterr().out)
+    assert len(measured) == 1 and shown["device"] == "cpu" and "calibrat" in shown["hardware"].lower()
+    assert list((tmp_path / "cache").rglob("*.json")), "the calibration was not cached"
+    with pytest.raises(SystemExit):
+        cli.main([*args, "--hardware", "h100", "--calibrate"])
+    assert "drop one" in capsys.readouterr().err
