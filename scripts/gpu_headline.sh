@@ -38,23 +38,12 @@ stash)
     echo "gpu_headline: part 1 stays on this machine for the next call (it is ignored by git)"
     ;;
 run)
-    OUT=${OUT:-$PWD/gpu_out}
     BUDGET=${GPU_RUN_BUDGET_S:-560}
-    mkdir -p "$OUT"
-    : >"$OUT/log.txt"
-    exec > >(tee -a "$OUT/log.txt") 2>&1
-    export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
-    if [[ "${GPU_RUN_DRY:-0}" != 0 ]]; then
-        PY=${PYTHON:-$PWD/.venv/bin/python}
-        export TRITON_INTERPRET=1 PYTHONPATH=$PWD/src
+    source scripts/gpu_env.sh
+    gpu_env gpu_headline
+    if ((DRY)); then
         MODE=(--smoke)
     else
-        PY=python3
-        shopt -s nullglob
-        wheels=(.whl/*.whl)
-        "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
-            "${wheels[@]}"
-        export PYTHONPATH=/tmp/site:$PWD/src
         MODE=(--assets .gpu_a .gpu_b)
         ls -l .gpu_a .gpu_b || true
         command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.total,clocks.sm --format=csv || true

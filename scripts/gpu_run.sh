@@ -18,29 +18,11 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 START=$SECONDS
 BUDGET=${GPU_RUN_BUDGET_S:-480}
-OUT=${OUT:-$PWD/gpu_out}
-mkdir -p "$OUT"
-: >"$OUT/log.txt"
-exec > >(tee -a "$OUT/log.txt") 2>&1
-export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
-
-if [[ "${GPU_RUN_DRY:-0}" != 0 ]]; then
-    # CPU dry run: no install (the dev venv has the stack), kernels through Triton's interpreter.
-    PY=${PYTHON:-$PWD/.venv/bin/python}
-    export TRITON_INTERPRET=1 PYTHONPATH=$PWD/src
+source scripts/gpu_env.sh
+gpu_env gpu_run
+if ((DRY)); then
     MODE=(--smoke --models llama-3.1-8b)
-    echo "gpu_run: dry run on CPU with $PY"
 else
-    PY=python3
-    unset TRITON_INTERPRET
-    shopt -s nullglob
-    wheels=(.whl/*.whl)
-    if ((${#wheels[@]} == 0)); then
-        echo "gpu_run: no wheels in .whl/ (run python scripts/prepare_gpu_wheels.py here, carry [\".whl\"])" >&2
-        exit 2
-    fi
-    "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "${wheels[@]}"
-    export PYTHONPATH=/tmp/site:$PWD/src
     # One lent call: the headline shape (Llama-3.1-8B, batch 32 x 32K, 8 layers, eager and
     # captured) with the targets' gamma 4 and budget 512 captured (each captured size is a
     # compilation), HF's stock decode step, then the end-to-end comparison at the same shape.
