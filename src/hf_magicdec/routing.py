@@ -90,7 +90,7 @@ def _guard_continuous_batching() -> None:
     @functools.wraps(original)
     def init_continuous_batching(self, *args, **kwargs):
         config = kwargs.get("generation_config", args[0] if args else None)
-        spec = _requested(self, (None, config), {}, None)
+        spec = _requested(self, (), {"generation_config": config}, None)
         options = carried_options(getattr(self, "generation_config", None), config)
         if spec not in _OFF or options:
             asked = f"speculative={spec!r}" if spec not in _OFF else f"MagicDec options {sorted(options)}"

@@ -188,9 +188,10 @@ def _calibration(args, name: str, spec) -> Any:
     from hf_magicdec import calibration
     from hf_magicdec.planner import calibrate as cal
 
-    measure = args.calibrate or args.recalibrate
-    if args.calibrate is False or (args.hardware is not None and not (args.hardware == "cpu" and measure)):
-        return None  # a preset: --hardware cpu only plans for this CPU when asked to measure it
+    # A preset plans without measuring; main() refuses --calibrate beside any preset but cpu, which
+    # then means this CPU.
+    if args.calibrate is False or (args.hardware is not None and not (args.calibrate or args.recalibrate)):
+        return None
     if args.device == "cuda":
         import torch
 

@@ -165,15 +165,15 @@ def measure_steps(
     with torch.no_grad(), attention.switched(model):
         call = ModelCall.of(model, compile_config)
         twin = twin_call(draft_twin(model, draft_weights), compile_config) if quantized else None
+        compiled = call.compiled is not None
         t0 = time.perf_counter()
         cache = _timing_cache(model, batch, context, capacity or context + q_max + 1, view.observation_window(),
-                              call.compiled is not None, input_ids)
+                              compiled, input_ids)
         cache.build_draft_views(view, budgets[0], 1, context, 64)
         sync()
         prefill_seconds = time.perf_counter() - t0
         jobs = _jobs(call, twin, cache, view, tokens, gammas, budgets, context)
         # Compiled: one graph per budget and verify width, more than dynamo's default limit of 8.
-        compiled = call.compiled is not None
         limit = torch._dynamo.config.patch(recompile_limit=64) if compiled else contextlib.nullcontext()
         with limit:
             times = _time_rounds(jobs, repeats, sync, statistic)
