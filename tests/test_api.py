@@ -279,6 +279,10 @@ def test_hybrid_sliding_model_within_window(batch):
         (dict(draft_budget=6, sink_tokens=2, gamma=4), ValueError, "gamma \\+ 1"),
         (dict(speculative="medusa"), ValueError, "speculative"),
         (dict(speculative={"method": "magicdec", "budget": 3}), ValueError, "Unknown MagicDec option"),
+        # a near-miss of an option is named with the likely name, by the chosen view when it is one of its own
+        (dict(draft="snapkv", draft_budget=16, windw=4), ValueError,
+         r"'snapkv' draft view has no option\(s\) \['windw'\] \(did you mean 'window'\?\)"),
+        (dict(gama=2), ValueError, r"Unknown MagicDec option 'gama' \(did you mean 'gamma'\?\)"),
         (dict(output_attentions=True, return_dict_in_generate=True), NotImplementedError, "attentions"),
     ],
 )

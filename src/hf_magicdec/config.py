@@ -36,7 +36,7 @@ from .defaults import (  # noqa: F401  (re-exported: part of this module's publi
 )
 from .planner.hardware import get_hardware
 from .planner.search import DEFAULT_DRAFTS
-from .views import DraftView, available_views, get_view, view_option_names
+from .views import DraftView, available_views, get_view, likely_names, view_option_names
 
 #: Method names accepted by ``generate(speculative=...)``.
 SPECULATIVE_METHODS = ("magicdec",)
@@ -350,7 +350,9 @@ class MagicDecConfig:
         known = view_option_names()
         unknown = sorted(k for k in flat if k not in known)
         if unknown:
-            raise ValueError(f"Unknown MagicDec option(s) {unknown}; known: {sorted(set(_FIELDS) | set(known))}.")
+            everything = sorted(set(_FIELDS) | set(known))
+            raise ValueError(f"Unknown MagicDec option(s) {unknown}{likely_names(unknown, everything)}; known: "
+                             f"{everything}.")
         draft = fields.get("draft", AUTO)
         if isinstance(draft, DraftView):
             fields["draft"] = _with_options(draft, flat)

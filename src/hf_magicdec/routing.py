@@ -21,6 +21,7 @@ import inspect
 import os
 from typing import Any
 
+from transformers import GenerationConfig
 from transformers.generation.utils import GenerationMixin
 
 from .api import Request
@@ -29,6 +30,7 @@ from .compat import check_transformers
 from .config import MagicDecConfig, carried_options, keyword_names
 from .engine.validation import check_route_kwargs, take_assistant_model
 from .notices import notice
+from .views import DraftView, get_view, likely_names
 
 _original_generate = None
 _OFF = (None, False, "", "none", "off")
@@ -133,6 +135,27 @@ def _refuse_unrequested_options(model, args, kwargs) -> None:
                stacklevel=4)
 
 
+@functools.cache
+def _generation_config_fields() -> frozenset[str]:
+    return frozenset(vars(GenerationConfig()))
+
+
+def _refuse_near_misses(model, signature, config: MagicDecConfig, call: dict) -> None:
+    """A leftover keyword close to a MagicDec option (``windw=16``) is a typo of it: name it with the
+    likely option now, rather than let transformers refuse it as an unused model kwarg after
+    preparing the call. A near-miss of the chosen view's option gets that view's own error."""
+    taken = set(signature.parameters) | set(inspect.signature(model.forward).parameters)
+    stray = [k for k in call if k not in taken and k not in _generation_config_fields()]
+    names = keyword_names()
+    for key in stray:
+        if not likely_names([key], names):
+            continue
+        if isinstance(config.draft, DraftView) and likely_names([key], config.draft.option_names()):
+            get_view(config.draft.name, **{key: call[key]})  # raises: the view's error names the option
+        raise ValueError(f"Unknown MagicDec option {key!r}{likely_names([key], names)}; the options are "
+                         f"{sorted(names)}.")
+
+
 def _route(model, original, signature, spec, args, kwargs):
     bound = signature.bind_partial(model, *args, **kwargs)
     call = dict(bound.arguments)
@@ -148,6 +171,7 @@ def _route(model, original, signature, spec, args, kwargs):
     options.update({name: call.pop(name) for name in keyword_names() if name in call})
     # Validated here, once, before HF prepares anything or the model runs.
     config = MagicDecConfig.from_any(spec, **options)
+    _refuse_near_misses(model, signature, config, call)
     # HF drops `tokenizer` before a custom callable sees it and then fails on stop strings;
     # take both over and let the engine build the criterion.
     stop_strings = call.pop("stop_strings", None)

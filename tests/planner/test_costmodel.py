@@ -10,6 +10,7 @@ import ast
 import dataclasses
 import json
 import math
+import re
 from pathlib import Path
 
 import pytest
@@ -564,6 +565,19 @@ def test_calibration_path_under_cache_root(monkeypatch, tmp_path):
     assert path.parent == tmp_path / "calibration"
     assert path.name == f"llama-3.1-8b-{spec.key()}__cpu-xeon-2t__bfloat16.json"
     assert spec.key() == spec.with_dtype("fp32").key()  # the shape hash ignores the dtype
+
+
+def test_unreadable_calibration_file_is_named_and_ignored(monkeypatch, tmp_path):
+    """A truncated calibration file does not silently turn the plan uncalibrated: the warning names it."""
+    from hf_magicdec import MagicDecWarning
+
+    spec = llama_spec()
+    path = cal.calibration_path("tiny", spec, cal.device_key("cpu"), "float32", tmp_path)
+    assert cal.load_calibration("tiny", spec, "cpu", "float32", tmp_path) is None  # no file: no word
+    path.parent.mkdir(parents=True)
+    path.write_text('{"model": "tiny", "spec": {"na')
+    with pytest.warns(MagicDecWarning, match=rf"Ignoring the calibration file {re.escape(str(path))}: .*JSONDecode"):
+        assert cal.load_calibration("tiny", spec, "cpu", "float32", tmp_path) is None
 
 
 # ------------------------------------------------------------------------------------- calibration smoke

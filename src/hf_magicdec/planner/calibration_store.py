@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
+from ..notices import notice
 from ._checks import check_number
 from .hardware import HardwareSpec, get_hardware
 from .modelspec import ModelSpec
@@ -364,12 +365,17 @@ def calibration_path(model_name: str, spec: ModelSpec, device: str, dtype: str,
 
 def load_calibration(model_name: str, spec: ModelSpec, device: Any = "cpu", dtype: Any = None,
                      cache_dir: str | os.PathLike | None = None) -> Calibration | None:
-    """The cached calibration for this model, device and dtype, or None (no weights are loaded)."""
+    """The cached calibration for this model, device and dtype, or None (no weights are loaded). A
+    file that cannot be read (truncated, another format) is named in a :class:`MagicDecWarning`
+    and ignored, so a plan that falls back to the uncalibrated model says why."""
     dtype = spec.with_dtype(dtype).dtype if dtype is not None else spec.dtype
     path = calibration_path(model_name, spec, device_key(device), dtype, cache_dir)
     if not path.is_file():
         return None
     try:
         return Calibration.load(path)
-    except (OSError, ValueError, KeyError, TypeError):
-        return None  # unreadable or stale format: calibrate again
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        notice(f"Ignoring the calibration file {path}: it cannot be read ({type(err).__name__}: {err}). Plans use "
+               "the uncalibrated cost model until it is written again (hf_magicdec.calibrate(model) or "
+               "`hf-magicdec plan ... --calibrate`).", stacklevel=2)
+        return None

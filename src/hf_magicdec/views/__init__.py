@@ -11,6 +11,7 @@ options) and calling :func:`register_view`.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 
 from .base import CacheHook, DraftView, ScoreContext, ViewCache
 from .dynamic import Dynamic, PageSelection
@@ -68,10 +69,20 @@ def get_view(name: str, **options) -> DraftView:
     own = _view_class(entry).option_names()
     wrong = sorted(set(options) - set(own))
     if wrong:
-        raise ValueError(f"The {name!r} draft view has no option(s) {wrong}; its options: {sorted(own)}.")
+        raise ValueError(f"The {name!r} draft view has no option(s) {wrong}{likely_names(wrong, own)}; its options: "
+                         f"{sorted(own)}.")
     if isinstance(entry, type):
         return entry(**options)
     return dataclasses.replace(entry, **options) if options else entry
+
+
+def likely_names(wrong, known) -> str:
+    """``" (did you mean 'window'?)"`` for the names of ``wrong`` close to one of ``known``, else ``""``."""
+    guesses = {w: difflib.get_close_matches(w, list(known), n=1, cutoff=0.75) for w in wrong}
+    pairs = {w: m[0] for w, m in guesses.items() if m}
+    if len(pairs) == 1 and len(guesses) == 1:
+        return f" (did you mean {next(iter(pairs.values()))!r}?)"
+    return f" (did you mean {', '.join(f'{m!r} for {w!r}' for w, m in pairs.items())}?)" if pairs else ""
 
 
 def view_option_names(name: str | None = None) -> tuple[str, ...]:
@@ -105,6 +116,7 @@ __all__ = [
     "ViewCache",
     "available_views",
     "get_view",
+    "likely_names",
     "register_view",
     "snapkv_scores",
     "view_option_names",
