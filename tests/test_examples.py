@@ -162,7 +162,7 @@ def test_readme_quickstart_runs():
         code = code.replace(old, new)
     proc = _run(["-c", code])
     assert proc.returncode == 0, f"README quickstart failed:\n{proc.stdout}\n{proc.stderr[-3000:]}"
-    assert "verification steps: acceptance" in proc.stdout  # out.speculation.summary(), printed
+    assert "steps of the batch" in proc.stdout and "per row-step: acceptance" in proc.stdout  # summary()
 
 
 # ---------------------------------------------------------------- docs say true things

@@ -106,6 +106,7 @@ class StatsRecorder(Observer):
         stats.verify_seconds += verify_seconds
         stats.steps += 1
         stats.gamma_trace.append(gamma)
+        stats.step_seconds.append(draft_seconds + verify_seconds)
         self._rows.append(rows)
         self._accepted.append(accepted)
 

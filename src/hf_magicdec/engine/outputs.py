@@ -37,7 +37,10 @@ class SpeculationStats:
         Bytes of the quantized copy of the linear layers the draft read (0 for ``"full"``): memory
         held beside the model while it lives.
     steps : int
-        Verification forwards run (the batch shrinks as rows finish).
+        Steps run, each one verify forward of the working batch (the batch shrinks as rows
+        finish); a γ = 0 step is a plain decoding step. Counts per row are "row-steps".
+    step_seconds : list[float]
+        Wall time of every step (its draft and verify phases), in order; see the timers below.
     refreshes : int
         Times the static part of the draft view was re-selected (``refresh_every`` /
         ``refresh_below``; see :mod:`hf_magicdec.engine.refresh`).
@@ -67,6 +70,7 @@ class SpeculationStats:
     adaptive_gamma: bool = False
     plan: dict | None = None
     refreshes: int = 0
+    step_seconds: list[float] = field(default_factory=list)
 
     def _drafted(self, row: int) -> int:
         if self.row_gammas and self.row_gammas[row]:
@@ -95,14 +99,42 @@ class SpeculationStats:
         drafted = self._drafted(row)
         return sum(self.accepted_lengths[row]) / drafted if drafted else 0.0
 
+    def _row_steps(self):
+        """``(accepted, γ)`` of every row-step."""
+        for r, row in enumerate(self.accepted_lengths):
+            gammas = self.row_gammas[r] if self.row_gammas and self.row_gammas[r] else [self.gamma] * len(row)
+            yield from zip(row, gammas)
+
     def histogram(self) -> list[int]:
-        """Count of steps that accepted 0, 1, …, γ_max draft tokens (all rows)."""
+        """Row-steps that drafted (γ > 0) and accepted 0, 1, …, γ_max of their drafts, over all
+        rows; plain row-steps (γ = 0) are counted apart (:attr:`plain_row_steps`), so that bucket 0
+        holds only rejected drafts."""
         top = max([self.gamma] + self.gamma_trace + [n for r in self.accepted_lengths for n in r])
         counts = [0] * (top + 1)
-        for row in self.accepted_lengths:
-            for n in row:
+        for n, gamma in self._row_steps():
+            if gamma:
                 counts[n] += 1
         return counts
+
+    @property
+    def plain_row_steps(self) -> int:
+        """Row-steps decoded plainly (γ = 0): one token each, nothing drafted."""
+        return sum(1 for _, gamma in self._row_steps() if not gamma)
+
+    def measured_speedup(self) -> float | None:
+        """Time per token of this call's plain steps over that of its speculative steps, per row
+        (from :attr:`step_seconds`); None without both kinds of step. The plain steps ran at
+        other contexts (usually earlier, shorter ones), so this is the call's own estimate of the
+        speedup over plain decoding, not a measurement against a separate plain call."""
+        if len(self.step_seconds) != len(self.gamma_trace):
+            return None
+        plain = [t for t, g in zip(self.step_seconds, self.gamma_trace) if g == 0]
+        speculative = sum(t for t, g in zip(self.step_seconds, self.gamma_trace) if g)
+        row_steps = [(n, g) for n, g in self._row_steps() if g]
+        if not plain or not speculative or not row_steps:
+            return None
+        tokens_per_step = sum(n + 1 for n, _ in row_steps) / len(row_steps)  # per row
+        return (sum(plain) / len(plain)) / (speculative / (len(self.step_seconds) - len(plain))) * tokens_per_step
 
     def schedule(self) -> list[tuple[int, int, int]]:
         """γ over the generation as runs ``(first step, last step, γ)`` (1-based, inclusive):
@@ -137,6 +169,8 @@ class SpeculationStats:
             "acceptance_rate": round(self.acceptance_rate, 4),
             "tokens_per_step": round(self.tokens_per_step, 4),
             "accepted_histogram": self.histogram(),
+            "plain_row_steps": self.plain_row_steps,
+            "measured_speedup": self.measured_speedup(),
             "gamma_schedule": self.schedule(),
             "prefill_seconds": self.prefill_seconds,
             "decode_seconds": self.decode_seconds,
@@ -154,13 +188,23 @@ class SpeculationStats:
         drafter = f" on draft model {self.draft_model}" if self.draft_model else ""
         gamma = f"gamma adaptive (start {self.gamma}, mean {self.mean_gamma:.2f})" if self.adaptive_gamma \
             else f"gamma {self.gamma}"
-        lines = [f"{self.draft}/{self.draft_budget}{drafter}{weights}, {gamma}",
-                 f"{self.steps} verification steps: acceptance {self.acceptance_rate:.3f}, "
-                 f"{self.tokens_per_step:.2f} tokens per row and step, accepted drafts per step {self.histogram()}"]
+        plain = sum(1 for g in self.gamma_trace if g == 0)
+        lines = [f"{self.draft}/{self.draft_budget}{drafter}{weights}, {gamma}"]
+        if self.plan and self.plan.get("predicted_speedup") is not None:
+            lines.append(f"planned: {self.plan.get('draft')}/{self.plan.get('draft_budget')}, gamma "
+                         f"{self.plan.get('gamma')} at the mean context, predicted "
+                         f"{self.plan['predicted_speedup']:.2f}x over plain decoding")
+        lines.append(f"{self.steps} steps of the batch ({plain} plain, {self.steps - plain} speculative); per "
+                     f"row-step: acceptance {self.acceptance_rate:.3f} of drafted tokens, {self.tokens_per_step:.2f} "
+                     f"tokens; drafting row-steps that accepted 0..gamma drafts {self.histogram()}"
+                     + (f", plain row-steps {self.plain_row_steps}" if self.plain_row_steps else ""))
         runs = self.schedule()
         if len(runs) > 1 or (runs and runs[0][2] == 0):
             shown = ", ".join(f"{a}-{b}: {g}" for a, b, g in runs[:12]) + (" ..." if len(runs) > 12 else "")
             lines.append(f"gamma by step: {shown}")
+        measured = self.measured_speedup()
+        if measured is not None:
+            lines.append(f"measured: {measured:.2f}x over this call's plain steps (time per token per row)")
         if self.refreshes:
             lines.append(f"view re-selected {self.refreshes} times")
         lines.append(f"prefill {self.prefill_seconds:.2f} s, decode {self.decode_seconds:.2f} s "
