@@ -130,16 +130,21 @@ def test_unknown_ruler_task_is_refused_before_loading(monkeypatch, capsys):
 
 @pytest.mark.slow
 def test_assisted_reference_runs_at_batch_one(tmp_path):
-    """--assistant adds stock (batch 1) and HF assisted generation rows; the model drafts for itself
-    here (same tokenizer, no second download), so the assisted output must equal stock's."""
+    """--assistant and --prompt-lookup add stock (batch 1), HF assisted generation and HF prompt lookup
+    rows; the model drafts for itself here (same tokenizer, no second download), so the assisted
+    output must equal stock's, as prompt lookup's must under greedy decoding."""
     out = tmp_path / "assisted"
     code = bench_main(["--batch", "2", "--context", "128", "--new-tokens", "6", "--draft", "snapkv", "--budget", "64",
-                       "--gamma", "2", "--no-own-ar", "--assistant", "smollm2-135m", "--out", str(out), "--quiet"])
+                       "--gamma", "2", "--no-own-ar", "--assistant", "smollm2-135m", "--prompt-lookup", "3",
+                       "--out", str(out), "--quiet"])
     assert code == 0
     rows = {r["method"]: r for r in map(json.loads, (out / "results.jsonl").read_text().splitlines())}
-    assert set(rows) == {"stock", "magicdec", "stock-b1", "assisted"}
-    assert rows["assisted"]["batch"] == 1 and rows["assisted"]["identical_to_generate"] is True
-    assert rows["assisted"]["speedup_vs_stock"] > 0 and rows["assisted"]["est_gb_per_s"] is None
+    assert set(rows) == {"stock", "magicdec", "stock-b1", "assisted", "prompt-lookup"}
+    for method in ("assisted", "prompt-lookup"):
+        assert rows[method]["batch"] == 1 and rows[method]["identical_to_generate"] is True
+        assert rows[method]["speedup_vs_stock"] > 0 and rows[method]["est_gb_per_s"] is None
+    with pytest.raises(SystemExit):
+        bench_main(["--prompt-lookup", "0", "--quiet"])
 
 
 @pytest.mark.slow

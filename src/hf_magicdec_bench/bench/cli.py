@@ -85,6 +85,8 @@ def build_parser(prog: str = "hf-magicdec bench") -> argparse.ArgumentParser:
                     help="let rows stop at EOS (default: every row decodes exactly --new-tokens, as the reference)")
     ap.add_argument("--assistant", default=None,
                     help="also run HF assisted generation at batch 1 with this draft model (same tokenizer)")
+    ap.add_argument("--prompt-lookup", type=int, default=None, metavar="N",
+                    help="also run HF prompt lookup decoding at batch 1 (prompt_lookup_num_tokens=N)")
     ap.add_argument("--draft-model", default=None,
                     help="also run MagicDec with this separate small draft model (same tokenizer), any batch size")
     ap.add_argument("--draft-model-view", nargs="+", default=["full"],
@@ -123,7 +125,7 @@ def main(argv: list[str] | None = None, prog: str = "hf-magicdec bench") -> int:
             text=args.text, repeats=args.repeats,
             warmup=not args.no_warmup, own_ar=not args.no_own_ar, static_baseline=args.static_baseline,
             stop_at_eos=args.stop_at_eos,
-            assistant=args.assistant, prefill_chunk=args.prefill_chunk, draft_model=args.draft_model,
+            assistant=args.assistant, prompt_lookup=args.prompt_lookup, prefill_chunk=args.prefill_chunk, draft_model=args.draft_model,
             draft_model_views=tuple(args.draft_model_view), share_prefill=args.share_prefill,
             default_plan=args.default_plan, rounds=args.rounds, temperature=args.temperature,
         )

@@ -32,6 +32,8 @@ log = logging.getLogger("hf_magicdec")
 OWN_AR_DRAFT, OWN_AR_BUDGET = DEFAULT_DRAFT, DEFAULT_BUDGET
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+#: HF methods the bench runs at batch 1 only, compared with stock generate at batch 1.
+BATCH1_METHODS = ("assisted", "prompt-lookup")
 
 
 @dataclass(frozen=True)
@@ -56,6 +58,8 @@ class BenchSpec:
     static_baseline: bool = False  # also stock generate with cache_implementation="static"
     stop_at_eos: bool = False
     assistant: str | None = None
+    # HF prompt lookup decoding (``prompt_lookup_num_tokens``) at batch 1, beside stock at batch 1.
+    prompt_lookup: int | None = None
     # A separate small draft model (same tokenizer) and the views compressing its cache; its runs
     # sit beside the self-speculative ones as method "magicdec", labelled "draft-model …".
     draft_model: str | None = None
@@ -83,6 +87,8 @@ class BenchSpec:
                 raise ValueError(f"{name} must be positive ints{' or auto' if allowed else ''}, got {values!r}")
         if self.new_tokens < 2:
             raise ValueError(f"new_tokens must be >= 2 (decode starts after the first token), got {self.new_tokens=}")
+        if self.prompt_lookup is not None and (not isinstance(self.prompt_lookup, int) or self.prompt_lookup < 1):
+            raise ValueError(f"prompt_lookup must be an int >= 1 (tokens per lookup draft), got {self.prompt_lookup=!r}")
         if self.prefill_chunk is not None and self.prefill_chunk < 1:
             raise ValueError(f"prefill_chunk must be >= 1, got {self.prefill_chunk=}")
         if self.repeats < 1:
@@ -93,8 +99,8 @@ class BenchSpec:
             if self.repeats != 1:
                 raise ValueError("rounds and repeats are two timing protocols: use one of them "
                                  f"(got {self.rounds=} and {self.repeats=})")
-            if self.assistant:
-                raise ValueError("rounds does not run HF assisted generation (assistant): drop one of them")
+            if self.assistant or self.prompt_lookup:
+                raise ValueError("rounds does not run HF's batch-1 methods (assistant, prompt_lookup): drop one of them")
         if not self.temperature >= 0:
             raise ValueError(f"temperature must be >= 0 (0: greedy), got {self.temperature=}")
         if self.temperature > 0 and self.rounds is None:
@@ -211,7 +217,7 @@ class ModelInfo:
 class Result:
     """One row of the benchmark output (see :func:`Result.to_dict` for the JSONL schema)."""
 
-    method: str  # "stock", "stock-static", "own-ar", "magicdec", "stock-b1", "assisted"
+    method: str  # "stock", "stock-static", "own-ar", "magicdec", "stock-b1", "assisted", "prompt-lookup"
     label: str
     batch: int
     context: int
@@ -407,7 +413,8 @@ def run(spec: BenchSpec, progress: bool = True, on_result: Callable[[Result], No
         for c in configs:
             configs[c].sort(key=lambda cfg: -cfg.view.observation_window() if cfg.draft != AUTO else 0)
     small_configs = {c: spec.draft_model_configs(c) for c in spec.contexts}
-    per_point = 1 + int(spec.own_ar) + int(spec.static_baseline) + (2 if assistant else 0)
+    batch1 = int(assistant is not None) + int(spec.prompt_lookup is not None)
+    per_point = 1 + int(spec.own_ar) + int(spec.static_baseline) + (batch1 + 1 if batch1 else 0)
     n_runs = sum(per_point + len(configs[c]) + len(small_configs[c]) for _, c in points)
     outer = tqdm(total=n_runs, desc="bench", unit="run", disable=not progress)
     results: list[Result] = []
@@ -436,7 +443,7 @@ def run(spec: BenchSpec, progress: bool = True, on_result: Callable[[Result], No
             res.identical = bool(torch.equal(m.sequences, baseline))
             if not res.identical:
                 log.error("%s output differs from stock generate at B=%d S=%d", label, res.batch, res.context)
-        if method != "assisted" and estimate:  # a separate draft model's reads are not in this estimate
+        if method not in BATCH1_METHODS and estimate:  # a separate draft model's reads are not in this estimate
             res.bytes_read = _bytes_read(info, res)
         if method == "magicdec" and estimate:
             try:
@@ -446,18 +453,18 @@ def run(spec: BenchSpec, progress: bool = True, on_result: Callable[[Result], No
         # Baselines of the same point ran first: speedups are known now, so the row can be
         # written at once and an interrupted run keeps everything it measured.
         same = [r for r in results if (r.batch, r.context) == (res.batch, res.context)]
-        stock = next((r for r in same if r.method == ("stock-b1" if method == "assisted" else "stock")), None)
+        stock = next((r for r in same if r.method == ("stock-b1" if method in BATCH1_METHODS else "stock")), None)
         ar = next((r for r in same if r.method == "own-ar"), None)
         static = next((r for r in same if r.method == "stock-static"), None)
         if method == "stock-static":
             res.speedup_vs_static = 1.0
-        elif static is not None and method not in ("stock", "stock-b1", "assisted"):
+        elif static is not None and method not in ("stock", "stock-b1", *BATCH1_METHODS):
             res.speedup_vs_static = static.m.decode_s / res.m.decode_s
         if method in ("stock", "stock-b1"):
             res.speedup_vs_stock = 1.0
         elif stock is not None:
             res.speedup_vs_stock = stock.m.decode_s / res.m.decode_s
-        if ar is not None and method != "assisted":
+        if ar is not None and method not in BATCH1_METHODS:
             res.speedup_vs_ar = ar.m.decode_s / res.m.decode_s
         elif method == "own-ar":
             res.speedup_vs_ar = 1.0
@@ -506,10 +513,15 @@ def run(spec: BenchSpec, progress: bool = True, on_result: Callable[[Result], No
                 if spec.own_ar and spec.share_prefill:
                     run_own_ar()
             held = None
-            if assistant is not None:
+            if batch1:
                 ids1 = ids[:1]
                 s1 = one("stock-b1", "stock generate (batch 1)", ids1, lambda clock, x, n: generate(x, n, clock))
+            if assistant is not None:
                 one("assisted", f"HF assisted ({spec.assistant})", ids1,
                     lambda clock, x, n: generate(x, n, clock, assistant_model=assistant), None, s1.m.sequences)
+            if spec.prompt_lookup is not None:
+                one("prompt-lookup", f"HF prompt lookup ({spec.prompt_lookup})", ids1,
+                    lambda clock, x, n: generate(x, n, clock, prompt_lookup_num_tokens=spec.prompt_lookup), None,
+                    s1.m.sequences)
     outer.close()
     return results, env, info
