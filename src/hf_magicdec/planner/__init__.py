@@ -1,9 +1,9 @@
 """MagicDec's cost model: when does self-speculation pay, and with which draft view, budget and γ?
 
-    from . import search_plan
+    from . import SearchSpace, Workload, search_plan
     from ..views import get_view
     views = [get_view("streamingllm"), get_view("snapkv", window=16)]
-    p = search_plan(model.config, batch_size=32, prompt_len=32768, new_tokens=256, hardware="h100", drafts=views)
+    p = search_plan(model.config, Workload(32, 32768, 256), "h100", SearchSpace(drafts=views))
     if p.speculate:
         out = model.generate(**inputs, speculative=p)
 
@@ -31,7 +31,7 @@ from .acceptance import default_acceptance, resolve_acceptance
 from .hardware import HARDWARE_PRESETS, HardwareSpec, get_hardware
 from .modelspec import ModelSpec
 from .memory import forget_acceptance, observed_acceptance, record_acceptance
-from .search import Plan, search_plan
+from .search import Plan, SearchSpace, Workload, search_plan
 from .roofline import StepCost, draft_step, draft_steps, forward_cost, target_step, verify_step
 from .speculation import Estimate, critical_length, estimate, omega, speedup
 
@@ -41,6 +41,7 @@ __all__ = [
     "HardwareSpec",
     "ModelSpec",
     "Plan",
+    "SearchSpace",
     "StepCost",
     "critical_length",
     "default_acceptance",
@@ -58,4 +59,5 @@ __all__ = [
     "speedup",
     "target_step",
     "verify_step",
+    "Workload",
 ]
