@@ -22,12 +22,12 @@ from typing import Any
 import torch
 from transformers import GenerationConfig
 
+from .calibration.store import load_calibration
 from .config import AUTO, DEFAULT_BUDGET, DEFAULT_GAMMA, MagicDecConfig
 from .engine.draft_weights import feasible_formats, supported_formats
 from .engine.steps import compile_config_for
 from .parallel.lockstep import tp_size
 from .planner import default_acceptance, get_hardware, search_plan
-from .planner.calibrate import load_calibration
 from .planner.memory import draft_key, observed_acceptance
 from .planner.modelspec import ModelSpec
 from .planner.search import DEFAULT_DRAFT_MODEL_DRAFTS, SearchSpace, Workload

@@ -1,7 +1,7 @@
 """Time the engine's own target, verify and draft forwards on one prefilled cache.
 
 The planner (:mod:`hf_magicdec.planner`) is torch-free and never imports the engine; it fits the
-numbers measured here (:func:`hf_magicdec.planner.calibrate.fit`). Each forward is the engine's
+numbers measured here (:func:`hf_magicdec.calibration.fit.fit`). Each forward is the engine's
 own (:mod:`hf_magicdec.engine.steps`) on a :class:`~hf_magicdec.engine.cache.MagicDecCache`,
 timed round-robin so that a burst of other work spreads over all of them.
 """
@@ -22,9 +22,9 @@ from ..engine.draft_weights import check_draft_weights, draft_twin
 from ..engine.drafters import new_cache, twin_call
 from ..engine.steps import ModelCall, draft_step, prefill, verify_step
 from ..planner._checks import check_int
-from ..planner.calibrate import StepTimes
 from ..planner.modelspec import ModelSpec
 from ..views import DraftView
+from .store import StepTimes
 
 __all__ = ["measure_steps"]
 

@@ -11,7 +11,7 @@
 imports the views (they need torch): it asks the view objects its callers pass which budgets and
 γ fit (``view.fits``) and what selecting costs (``query_aware``, ``page_size``).
 
-Modules (all pure Python; only :mod:`.calibrate` imports torch, lazily):
+Modules (all pure Python):
 
 * :mod:`.hardware`    peak FLOP/s, bandwidth, tensor parallelism; presets
 * :mod:`.modelspec`   shapes from any HF config
@@ -21,7 +21,6 @@ Modules (all pure Python; only :mod:`.calibrate` imports torch, lazily):
 * :mod:`.search`      the search over (draft, budget, γ): :func:`search_plan`
 * :mod:`.memory`      the acceptance measured by earlier generations
 * :mod:`.gamma`       adaptive γ's controller
-* :mod:`.calibrate`   micro-benchmarks on the real model and a fitted roofline
 * :mod:`.cli`         ``hf-magicdec plan``
 
 See ``docs/cost_model.md`` for the formulas and assumptions.
