@@ -187,12 +187,6 @@ def estimate(model: ModelSpec, hardware: HardwareSpec, *, batch: int, context: i
                     draft_weights)
 
 
-def _best(model, hardware, batch, context, draft, budget, gammas, acceptance) -> float:
-    tt = target_step(model, hardware, batch, context).seconds
-    return max(estimate(model, hardware, batch=batch, context=context, draft=draft, budget=budget, gamma=g,
-                        acceptance=acceptance, t_target=tt).speedup for g in gammas)
-
-
 def critical_length(model: ModelSpec, hardware: HardwareSpec, batch: int, *, draft: Any = "streamingllm",
                     budget: int = 512, gammas: Iterable[int] = range(1, 9), acceptance: AcceptanceLike = None,
                     threshold: float = 1.0, max_context: int = 1 << 20) -> float:
@@ -228,8 +222,10 @@ def critical_length(model: ModelSpec, hardware: HardwareSpec, batch: int, *, dra
     if not gammas:
         raise ValueError("gammas must not be empty.")
 
-    def pays(s: int) -> bool:
-        return _best(model, hardware, batch, s, draft, budget, gammas, acceptance) >= threshold
+    def pays(s: int) -> bool:  # at the best γ
+        tt = target_step(model, hardware, batch, s).seconds
+        return max(estimate(model, hardware, batch=batch, context=s, draft=draft, budget=budget, gamma=g,
+                            acceptance=acceptance, t_target=tt).speedup for g in gammas) >= threshold
 
     low = budget + 1
     if pays(low):
