@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from .schedule import StepModel, best_gamma
 
-__all__ = ["GammaController"]
+__all__ = ["CostProbe", "GammaController"]
 
 #: Drafted tokens' worth of confidence in the prior when blending it with what was observed.
 PRIOR_WEIGHT = 32
@@ -38,6 +38,43 @@ REPROBE_AFTER = 16
 REPROBE_STEPS = 4
 
 
+class CostProbe:
+    """The cost model checked against this call's step times: a schedule's first
+    :data:`PLAIN_PROBE_STEPS` steps decode plainly, and from then on :attr:`factor` scales the
+    speculative steps' predicted cost by what was measured. The first step of each kind pays
+    one-time costs and is not counted."""
+
+    def __init__(self) -> None:
+        self.steps = {False: 0, True: 0}  # plain (False) and speculative (True) steps seen
+        # Of those after the first: measured and predicted seconds, and (speculative only) their number.
+        self._plain = [0.0, 0.0]
+        self._speculative = [0.0, 0.0, 0]
+
+    @property
+    def timing_plain(self) -> bool:
+        """Whether the next step is one of the first plain steps, which time the plain cost."""
+        return self.steps[False] < PLAIN_PROBE_STEPS
+
+    def record(self, speculative: bool, seconds: float, predicted: float) -> None:
+        self.steps[speculative] += 1
+        if self.steps[speculative] > 1:
+            times = self._speculative if speculative else self._plain
+            times[0] += seconds
+            times[1] += predicted
+            if speculative:
+                times[2] += 1
+
+    @property
+    def factor(self) -> float:
+        """How much cheaper speculation is against plain decoding than the cost model says
+        (1.0 until both kinds of step were measured): (plain measured / predicted) / (speculative
+        measured / predicted), shrunk towards 1 by :data:`COST_PRIOR_STEPS`."""
+        (plain, plain_model), (spec, spec_model, n) = self._plain, self._speculative
+        if not (plain > 0 and spec > 0 and plain_model > 0 and spec_model > 0):
+            return 1.0
+        return ((plain / plain_model) / (spec / spec_model)) ** (n / (n + COST_PRIOR_STEPS))
+
+
 class GammaController:
     """Adaptive γ: before each step, the γ in ``[1, max_gamma]`` maximising the predicted speedup
     Ω(γ, α̂) / (γ·T_D/T_T + T_V(γ)/T_T), where α̂ blends the prior α with the acceptance observed
@@ -65,8 +102,8 @@ class GammaController:
         (:data:`REPROBE_AFTER`).
     measure_costs : bool
         With ``step_model`` and ``allow_off``: :meth:`update` is given each step's wall time, and
-        the switch between plain and speculative steps follows the measured costs
-        (:data:`PLAIN_PROBE_STEPS`, :attr:`cost_factor`).
+        the switch between plain and speculative steps follows the measured costs (a
+        :class:`CostProbe`, :attr:`cost_factor`).
     """
 
     def __init__(self, gamma: int, max_gamma: int, alpha: float, draft_ratio: float | None = None,
@@ -83,11 +120,7 @@ class GammaController:
         self.allow_off = allow_off
         self.accepted = 0
         self.drafted = 0
-        self.measure_costs = measure_costs and step_model is not None and allow_off
-        # Plain (False) and speculative (True) steps: steps seen, and of those after the first,
-        # [measured seconds, predicted seconds, steps].
-        self._seen = {False: 0, True: 0}
-        self._times = {False: [0.0, 0.0, 0], True: [0.0, 0.0, 0]}
+        self.probe = CostProbe() if measure_costs and step_model is not None and allow_off else None
         self._at: tuple[int, int] | None = None  # (batch, context) the last γ was chosen for
         # Re-probes: plain steps decided on evidence since speculation last ran, the number that
         # triggers the next re-probe, and the speculative steps the running re-probe has left.
@@ -100,15 +133,13 @@ class GammaController:
         return (self.accepted + PRIOR_WEIGHT * self.prior) / (self.drafted + PRIOR_WEIGHT)
 
     @property
+    def measure_costs(self) -> bool:
+        return self.probe is not None
+
+    @property
     def cost_factor(self) -> float:
-        """How much cheaper speculation is against plain decoding than the cost model says, from
-        this call's step times (1.0 until both kinds of step were measured): (plain measured /
-        predicted) / (speculative measured / predicted), shrunk towards 1 by
-        :data:`COST_PRIOR_STEPS`."""
-        (plain, plain_model, _), (spec, spec_model, n) = self._times[False], self._times[True]
-        if not (plain > 0 and spec > 0 and plain_model > 0 and spec_model > 0):
-            return 1.0
-        return ((plain / plain_model) / (spec / spec_model)) ** (n / (n + COST_PRIOR_STEPS))
+        """:attr:`CostProbe.factor` (1.0 without a probe)."""
+        return self.probe.factor if self.probe is not None else 1.0
 
     def _record(self, seconds: float) -> None:
         """The step just run (at ``self.gamma``, chosen for ``self._at``) took ``seconds``."""
@@ -118,14 +149,7 @@ class GammaController:
         tt, draft_ratio, verify_ratio = step_model.ratios(*self._at)
         if gamma and gamma not in verify_ratio:
             return
-        predicted = tt if not gamma else tt * (gamma * draft_ratio + verify_ratio[gamma])
-        kind = gamma > 0
-        self._seen[kind] += 1
-        if self._seen[kind] > 1:  # the first step of each kind pays one-time costs
-            times = self._times[kind]
-            times[0] += seconds
-            times[1] += predicted
-            times[2] += 1
+        self.probe.record(gamma > 0, seconds, tt if not gamma else tt * (gamma * draft_ratio + verify_ratio[gamma]))
 
     def update(self, accepted: int, drafted: int, batch: int | None = None, context: int | None = None,
                seconds: float | None = None) -> int:
@@ -148,7 +172,7 @@ class GammaController:
         verify_ratio = {g: v for g, v in verify_ratio.items() if g <= self.max_gamma}
         model = draft_ratio, verify_ratio
         if self.measure_costs:
-            if self._seen[False] < PLAIN_PROBE_STEPS:  # time plain steps first
+            if self.probe.timing_plain:  # time plain steps first
                 self.gamma = 0
                 return 0
             factor = self.cost_factor
