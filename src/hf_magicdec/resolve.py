@@ -202,8 +202,8 @@ def resolve(config: MagicDecConfig, model, batch: int, prompt_len: int, new_toke
     return Resolution(resolved, p, model, schedule=schedule, use_draft_model=use_draft_model)
 
 
-def search_space(config: MagicDecConfig, target: Target | None, draft_model, captured: bool, batch: int, prompt_len: int,
-                 new_tokens: int, hardware) -> dict[str, Any]:
+def search_space(config: MagicDecConfig, target: Target | None, draft_model, captured: bool, batch: int,
+                 prompt_len: int, new_tokens: int, hardware) -> dict[str, Any]:
     """The planner's search for ``config`` (:func:`~hf_magicdec.planner.search_plan`'s keywords
     ``workload``, ``hardware``, ``space``, ``acceptance``): its views or candidates, the budgets and
     γ it leaves open, the draft weights this device can run, α as measured by earlier generations
@@ -258,8 +258,9 @@ def _as_run(p, resolved: MagicDecConfig, spec, kwargs: dict):
     estimate of the nearest choice the explicit settings allowed."""
     ran = (resolved.draft_name, resolved.draft_budget, resolved.gamma, resolved.draft_weights)
     if resolved.gamma == 0:
-        return dataclasses.replace(p, speculate=False, gamma=0, draft=ran[0], draft_budget=ran[1], draft_weights="full",
-                                   predicted_speedup=1.0, reason="gamma=0: plain decoding on MagicDec's cache (no draft)")
+        return dataclasses.replace(p, speculate=False, gamma=0, draft=ran[0], draft_budget=ran[1],
+                                   draft_weights="full", predicted_speedup=1.0,
+                                   reason="gamma=0: plain decoding on MagicDec's cache (no draft)")
     if p.draft is None:  # no budget below the prompt: the view holds it whole, as the defaults say
         return dataclasses.replace(p, speculate=True, draft=ran[0], draft_budget=ran[1], gamma=ran[2],
                                    draft_weights=ran[3], reason=f"speculating as asked, though {p.reason}")

@@ -7,33 +7,19 @@ from .schedule import StepModel, best_gamma
 
 __all__ = ["CostProbe", "GammaController"]
 
+# Why each value: docs/cost_model.md, "Where the constants come from".
 #: Drafted tokens' worth of confidence in the prior when blending it with what was observed.
 PRIOR_WEIGHT = 32
-#: A schedule measures the acceptance rather than assume it: until PROBE_TOKENS tokens were drafted,
-#: where the blended α keeps speculation off, γ is chosen from the acceptance observed so far
-#: blended with an optimistic PROBE_ALPHA instead of the prior (at the prior's weight), so that a
-#: prior that is too low cannot keep speculation off all call long without ever seeing evidence
-#: against itself, and one unlucky first step (a sampled 11 of 16 drafted tokens, where the call
-#: went on to accept 0.94) does not end the probe. A probe that does not pay costs a step or two:
-#: nothing accepted then says off too.
+#: A schedule probes: until PROBE_TOKENS tokens were drafted, where the blended α keeps speculation
+#: off, γ is chosen from the acceptance observed blended with an optimistic PROBE_ALPHA instead.
 PROBE_ALPHA = 0.95
 PROBE_TOKENS = 4 * PRIOR_WEIGHT
-#: A schedule that is given the steps' wall times checks the cost model against them: its first
-#: PLAIN_PROBE_STEPS steps decode plainly (the first of each kind is a warm-up, not counted), and
-#: from then on a speculative step's predicted cost is scaled by what this call measured, (plain
-#: measured / predicted) / (speculative measured / predicted), blended in with COST_PRIOR_STEPS
-#: speculative steps' worth of confidence in the model. Where the model's step ratios are off for
-#: this machine and workload (an uncalibrated device, logits processors priced at every verified
-#: position: SmolLM2-135M, batch 2, repetition penalty and n-gram blocking decoded 0.79x the static
-#: cache on 2 CPU cores with γ 1-2 kept on), speculation then turns off where it does not pay.
+#: A schedule given step times decodes its first PLAIN_PROBE_STEPS steps plainly, then scales the
+#: speculative cost by what it measured (:class:`CostProbe`), at COST_PRIOR_STEPS steps' confidence.
 PLAIN_PROBE_STEPS = 3
 COST_PRIOR_STEPS = 2
-#: Evidence goes stale: acceptance changes along a generation (a chat turn that starts hesitant and
-#: settles into 0.99) and nothing is measured while γ = 0. So a schedule that turned speculation off
-#: on what it observed (not because the context is still too short: the model at PROBE_ALPHA would
-#: still speculate) speculates again for REPROBE_STEPS steps after REPROBE_AFTER plain steps, and
-#: after twice as many each time a re-probe ends off again: where off is right, the re-probes cost a
-#: few steps per doubling (under 1 % of an 800-step call); where it was wrong, the call resumes.
+#: Off on evidence, a schedule speculates again for REPROBE_STEPS steps after REPROBE_AFTER plain
+#: steps, and after twice as many each time a re-probe ends off again.
 REPROBE_AFTER = 16
 REPROBE_STEPS = 4
 

@@ -82,9 +82,9 @@ class StepModel:
             held = min(self.budget, ctx)  # a view larger than the context holds the context
             td = draft_step(self.drafter, hw, batch, ctx, held).seconds
             td += selection_seconds(self.drafter, hw, batch, ctx, self.budget, self.view)
-            hit = self._memo[key] = (tt, td / tt, {
+            hit = self._memo[key] = (tt, td / tt, {  # T_V and the verifier's choice, per verification
                 g: (verify_step(self.spec, hw, batch, ctx, g).seconds
-                    + choice_seconds(self.drafter, hw, batch, ctx, self.budget, self.view, g + 1)) / tt  # per verification
+                    + choice_seconds(self.drafter, hw, batch, ctx, self.budget, self.view, g + 1)) / tt
                 for g in self.gammas})
         return hit
 

@@ -3,8 +3,8 @@ that plain decoding is faster.
 
 Search: every (draft, budget, γ) with ``budget < prompt_len`` (a larger view holds the whole
 prompt: nothing is compressed; with ``schedule=True``, where γ follows the context, ``budget <
-prompt_len + new_tokens``: the view holds everything until the generation outgrows it) that the view accepts (``view.fits(budget, gamma)``, the same
-check as :class:`~hf_magicdec.MagicDecConfig`), evaluated at the mean context over the
+prompt_len + new_tokens``: the view holds everything until the generation outgrows it) that the
+view accepts (``view.fits(budget, gamma)``, the same check as :class:`~hf_magicdec.MagicDecConfig`), evaluated at the mean context over the
 generation, ``prompt_len + new_tokens / 2``. Step times come from the roofline on ``hardware``
 (or on the calibrated device when ``calibration`` is given).
 
@@ -28,8 +28,8 @@ from .roofline import target_step
 from .schedule import SWITCH_MARGIN, StepModel, context_points, scheduled_speedup
 from .speculation import Estimate, estimate
 
-__all__ = ["Plan", "search_plan", "Workload", "SearchSpace", "Candidate", "DraftLike", "DEFAULT_BUDGETS", "DEFAULT_DRAFTS", "DEFAULT_DRAFT_MODEL_DRAFTS",
-           "DEFAULT_GAMMAS"]
+__all__ = ["Plan", "search_plan", "Workload", "SearchSpace", "Candidate", "DraftLike", "DEFAULT_BUDGETS",
+           "DEFAULT_DRAFTS", "DEFAULT_DRAFT_MODEL_DRAFTS", "DEFAULT_GAMMAS"]
 
 #: View names the callers resolve (``hf_magicdec.plan``, ``generate`` with ``draft="auto"``).
 DEFAULT_DRAFTS = ("streamingllm", "snapkv", "verified")
@@ -38,13 +38,10 @@ DEFAULT_DRAFT_MODEL_DRAFTS = ("full", "streamingllm", "snapkv")
 DEFAULT_BUDGETS = (128, 256, 512, 1024, 2048)
 DEFAULT_GAMMAS = tuple(range(1, 9))
 _RUNNER_UPS = 5
-#: Scheduled candidates whose predicted speedups are within this fraction of the best are a tie
-#: (the cost model is not that precise: calibration fits leave ~10 % errors) ...
+#: Scheduled candidates within this fraction of the best speedup are a tie
+#: (docs/cost_model.md, "Where the constants come from") ...
 NEAR_TIE = 0.02
-#: ... broken by the speedup each would reach at this much more acceptance than its prior: a
-#: schedule measures α within the call (it probes; :mod:`.gamma`), so where the prior predicts
-#: about the same for every candidate, the one with the most to gain from a better α is the better
-#: bet (a verification-guided view over a prompt-time selection, compressed over full draft weights).
+#: ... broken by the speedup each would reach at this much more acceptance than its prior.
 UPSIDE = 0.10
 
 
@@ -60,7 +57,8 @@ class DraftLike(Protocol):
 def _views(what: str, values: Iterable[Any]) -> tuple[Any, ...]:
     values = tuple(values)
     for v in values:
-        if isinstance(v, str) or not callable(getattr(v, "fits", None)) or not isinstance(getattr(v, "name", None), str):
+        if isinstance(v, str) or not callable(getattr(v, "fits", None)) \
+                or not isinstance(getattr(v, "name", None), str):
             raise TypeError(f"{what} must be draft view objects (hf_magicdec.views.get_view(name, **options)), got "
                             f"{v!r}; hf_magicdec.plan takes names.")
     return values
