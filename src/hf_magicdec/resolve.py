@@ -265,11 +265,7 @@ def _as_run(p, resolved: MagicDecConfig, spec, kwargs: dict):
         return dataclasses.replace(p, speculate=True, draft=ran[0], draft_budget=ran[1], gamma=ran[2],
                                    draft_weights=ran[3], reason=f"speculating as asked, though {p.reason}")
     if (p.draft, p.draft_budget, p.gamma, p.draft_weights) != ran and not p.draft_model:
-        space = dataclasses.replace(kwargs["space"], drafts=(resolved.view,), budgets=(resolved.draft_budget,),
-                                    gammas=(max(resolved.gamma, 1),), draft_weights=(resolved.draft_weights,),
-                                    draft_model=None, draft_model_drafts=None, self_speculation=True)
-        pinned = dict(kwargs, space=space, min_speedup=0.0)
-        nearest = search_plan(spec, **pinned)
+        nearest = _pinned(spec, kwargs, resolved, draft_model=False)
         if nearest.draft is not None:
             reason = (f"the explicit settings rule out the planner's best ({p.draft}/{p.draft_budget} γ={p.gamma}, "
                       f"{p.predicted_speedup:.2f}x); the nearest they allow")
@@ -284,11 +280,7 @@ def _explicit_plan(config: MagicDecConfig, spec, kwargs: dict):
     """The plan of a configuration with nothing left to choose: its own estimate (it runs whatever
     that predicts; ``gamma=0`` decodes plainly on MagicDec's cache)."""
     view = config.view
-    space = dataclasses.replace(kwargs["space"], drafts=(view,), budgets=(config.draft_budget,),
-                                gammas=(max(config.gamma, 1),), draft_weights=(config.draft_weights,))
-    if space.draft_model is not None:
-        space = dataclasses.replace(space, draft_model_drafts=(view,), self_speculation=False)
-    p = search_plan(spec, **dict(kwargs, space=space, min_speedup=0.0))
+    p = _pinned(spec, kwargs, config, draft_model=True)
     if config.gamma == 0:
         return dataclasses.replace(p, speculate=False, gamma=0, predicted_speedup=1.0,
                                    reason="gamma=0: plain decoding on MagicDec's cache (no draft)")
@@ -298,6 +290,19 @@ def _explicit_plan(config: MagicDecConfig, spec, kwargs: dict):
                                    reason=f"explicit settings, run as given ({p.reason})")
     return dataclasses.replace(p, speculate=True, reason=f"explicit settings, run as given (predicted "
                                                          f"{p.predicted_speedup:.2f}x)")
+
+
+def _pinned(spec, kwargs: dict, config: MagicDecConfig, draft_model: bool):
+    """The search of ``config``'s one candidate (its view, budget, γ ≥ 1 and draft weights) without a
+    speedup threshold: on the draft model's cache where ``draft_model`` and the search has one, else
+    self-speculation."""
+    view = config.view
+    space = dataclasses.replace(kwargs["space"], drafts=(view,), budgets=(config.draft_budget,),
+                                gammas=(max(config.gamma, 1),), draft_weights=(config.draft_weights,))
+    if space.draft_model is not None:
+        space = dataclasses.replace(space, draft_model_drafts=(view,), self_speculation=False) if draft_model \
+            else dataclasses.replace(space, draft_model=None, draft_model_drafts=None, self_speculation=True)
+    return search_plan(spec, **dict(kwargs, space=space, min_speedup=0.0))
 
 
 def _left_to_planner(config: MagicDecConfig, field: str) -> bool:

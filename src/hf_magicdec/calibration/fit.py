@@ -102,32 +102,29 @@ def _fit_max(work, measurements, bw, fl, oh, max_iterations):
         if assignment in seen:
             break
         seen.add(assignment)
-        rows = []
-        for w, m, sides in zip(work, measurements, assignment):
-            nbytes = sum(n * b for (f, b, n), compute in zip(w.values(), sides) if not compute)
-            nflops = sum(n * f for (f, b, n), compute in zip(w.values(), sides) if compute)
-            rows.append([1.0 / m.seconds, nbytes / m.seconds, nflops / m.seconds])  # relative error
-        x_oh, x_bw, x_fl = nnls(rows, [1.0] * len(rows))
-        # A zero coefficient means the data does not constrain that rate: keep the previous one.
-        bw = 1.0 / x_bw if x_bw > 0 else bw
-        fl = 1.0 / x_fl if x_fl > 0 else fl
-        oh = x_oh
+        oh, bw, fl = _fit_rates(work, measurements, assignment, bw, fl)
         err = error(bw, fl, oh)
         if err < best[3]:
             best = (bw, fl, oh, err)
     return best
 
 
+def _fit_rates(work, measurements, assignment, bw: float, fl: float) -> tuple[float, float, float]:
+    """``(overhead, bandwidth, flops)`` fitted by NNLS on relative error, each group's bytes and FLOPs
+    counted on the side ``assignment`` puts it (True: compute, False: memory, None: both); a rate the
+    data does not constrain (a zero coefficient) keeps the given one."""
+    rows = []
+    for w, m, sides in zip(work, measurements, assignment):
+        nbytes = sum(n * b for (f, b, n), compute in zip(w.values(), sides) if compute is not True)
+        nflops = sum(n * f for (f, b, n), compute in zip(w.values(), sides) if compute is not False)
+        rows.append([1.0 / m.seconds, nbytes / m.seconds, nflops / m.seconds])  # relative error
+    x_oh, x_bw, x_fl = nnls(rows, [1.0] * len(rows))
+    return x_oh, 1.0 / x_bw if x_bw > 0 else bw, 1.0 / x_fl if x_fl > 0 else fl
+
+
 def _fit_sum(work, measurements, bw, fl):
     """Additive form: time = overhead + bytes / bandwidth + FLOPs / flops, linear in the unknowns."""
-    rows = []
-    for w, m in zip(work, measurements):
-        nbytes = sum(n * b for f, b, n in w.values())
-        nflops = sum(n * f for f, b, n in w.values())
-        rows.append([1.0 / m.seconds, nbytes / m.seconds, nflops / m.seconds])
-    x_oh, x_bw, x_fl = nnls(rows, [1.0] * len(rows))
-    bw = 1.0 / x_bw if x_bw > 0 else bw
-    fl = 1.0 / x_fl if x_fl > 0 else fl
+    x_oh, bw, fl = _fit_rates(work, measurements, [[None] * len(w) for w in work], bw, fl)
     err = _rms((x_oh + sum(n * (f / fl + b / bw) for f, b, n in w.values()) - m.seconds) / m.seconds
                for w, m in zip(work, measurements))
     return bw, fl, x_oh, err

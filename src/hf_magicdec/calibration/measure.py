@@ -151,11 +151,20 @@ def calibrate(
     for _ in range(passes):
         for batch, context in points:
             _measure_point(model, batch, context, gammas, budgets, repeats, statistic, formats, best, progress)
-    measurements = list(best.values())
+    result = _fitted(name, spec, device, list(best.values()), base, form, t0, busy_before)
+    if cache:
+        result.save(path)
+    return result
+
+
+def _fitted(name: str, spec: ModelSpec, device: str, measurements: list[Measurement], base, form: str, t0: float,
+            busy_before: float) -> Calibration:
+    """The calibration of ``measurements``: the full-precision forwards fitted, then the quantized
+    drafts' rates with the others fixed."""
     full = [m for m in measurements if m.weights == "full"]
     fitted = fit(spec, full, base, form=form)
     quantized = fit_quantized(spec, measurements, fitted.hardware(base, spec.dtype))
-    result = Calibration(
+    return Calibration(
         model=name, spec=spec, device=device, dtype=spec.dtype, bandwidth=fitted.bandwidth, flops=fitted.flops,
         overhead=fitted.overhead, overlap=fitted.overlap, measurements=tuple(measurements),
         rel_rms_error=fitted.rel_rms_error, outliers=tuple(measurements.index(full[i]) for i in fitted.outliers),
@@ -163,9 +172,6 @@ def calibrate(
         created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         versions={**_versions(), "cpu_busy_before": f"{busy_before:.2f}"},
     )
-    if cache:
-        result.save(path)
-    return result
 
 
 def _measure_point(model, batch: int, context: int, gammas, budgets, repeats: int, statistic: str, formats,
