@@ -183,9 +183,9 @@ def estimate(model: ModelSpec, hardware: HardwareSpec, *, batch: int, context: i
     td_total += gamma * selection_seconds(drafter, hardware, batch, context, budget, draft)
     tv = verify_step(model, hardware, batch, context, gamma).seconds
     tv += choice_seconds(drafter, hardware, batch, context, budget, draft, gamma + 1)
-    return Estimate(view_name, budget, gamma, alpha, omega(gamma, alpha), tt, td_total / gamma, tv,
-                    speedup(gamma, alpha, tt, td_total, tv), None if draft_model is None else draft_model.name,
-                    draft_weights)
+    return Estimate(draft=view_name, draft_budget=budget, gamma=gamma, acceptance=alpha, omega=omega(gamma, alpha),
+                    t_target=tt, t_draft=td_total / gamma, t_verify=tv, speedup=speedup(gamma, alpha, tt, td_total, tv),
+                    draft_model=None if draft_model is None else draft_model.name, draft_weights=draft_weights)
 
 
 def critical_length(model: ModelSpec, hardware: HardwareSpec, batch: int, *, draft: Any = "streamingllm",
