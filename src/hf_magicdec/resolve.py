@@ -108,6 +108,20 @@ class Resolution:
     use_draft_model: bool = True  # False: the planner preferred self-speculation to the draft model
 
 
+def _changes(config: MagicDecConfig, p, pool) -> dict:
+    """The fields left ``"auto"`` in ``config`` set to the plan's choice (its view from ``pool``), or to
+    the defaults where the plan has no candidate (the prompt is shorter than every budget considered:
+    the view keeps it whole)."""
+    if p.draft is None:
+        chosen = {"draft": config.view if config.view is not None else config.candidates[0],
+                  "draft_budget": DEFAULT_BUDGET if config.draft_budget == AUTO else config.draft_budget,
+                  "gamma": DEFAULT_GAMMA if config.gamma == AUTO else config.gamma, "draft_weights": "full"}
+    else:
+        chosen = {"draft": {v.name: v for v in pool}[p.draft], "draft_budget": p.draft_budget,
+                  "gamma": p.gamma if config.gamma == AUTO else config.gamma, "draft_weights": p.draft_weights}
+    return {k: v for k, v in chosen.items() if _left_to_planner(config, k)}
+
+
 def _first_valid(config: MagicDecConfig, changes: dict) -> MagicDecConfig | None:
     """``config`` with the planner's ``changes``, or, where the explicit fields rule that choice out
     (a rolling window too small for the chosen γ, a budget not above StreamingLLM's sinks), the
@@ -165,7 +179,6 @@ def resolve(config: MagicDecConfig, model, batch: int, prompt_len: int, new_toke
         captured = compile_config_for(config.compile, target.generation_config or GenerationConfig(),
                                       target.device) is not None
     hardware = hardware.replace(captured=captured)
-
     kwargs = search_space(config, target, draft_model, captured, batch, prompt_len, new_tokens, hardware)
     if explicit:
         return Resolution(config, _explicit_plan(config, spec, kwargs), use_draft_model=draft_model is not None)
@@ -176,17 +189,7 @@ def resolve(config: MagicDecConfig, model, batch: int, prompt_len: int, new_toke
                  p.reason)
         return Resolution(None, p, use_draft_model=False)
     space = kwargs["space"]
-    pool = space.draft_model_drafts if use_draft_model else space.drafts
-    candidates = {v.name: v for v in pool}
-    if p.draft is None:  # prompt shorter than every budget considered: the view keeps it whole
-        chosen = {"draft": config.view if config.view is not None else config.candidates[0],
-                  "draft_budget": DEFAULT_BUDGET if config.draft_budget == AUTO else config.draft_budget,
-                  "gamma": DEFAULT_GAMMA if config.gamma == AUTO else config.gamma, "draft_weights": "full"}
-    else:
-        chosen = {"draft": candidates[p.draft], "draft_budget": p.draft_budget,
-                  "gamma": p.gamma if config.gamma == AUTO else config.gamma, "draft_weights": p.draft_weights}
-    changes = {k: v for k, v in chosen.items() if _left_to_planner(config, k)}
-    resolved = _first_valid(config, changes)
+    resolved = _first_valid(config, _changes(config, p, space.draft_model_drafts if use_draft_model else space.drafts))
     if resolved is None:  # nothing fits the explicit fields (e.g. a budget too small for any γ)
         return Resolution(None, p, use_draft_model=False)
     p = _as_run(p, resolved, spec, kwargs)
