@@ -20,8 +20,12 @@ Modules (all pure Python):
 * :mod:`.speculation` Ω(γ, α), speedup, critical context length
 * :mod:`.search`      the search over (draft, budget, γ): :func:`search_plan`
 * :mod:`.memory`      the acceptance measured by earlier generations
+* :mod:`.schedule`    γ as a function of the context a generation has reached; the one best-γ choice
 * :mod:`.gamma`       adaptive γ's controller
-* :mod:`.cli`         ``hf-magicdec plan``
+* :mod:`.selection`   the selection cost of query-aware views
+
+Calibration (timing the engine, the fit, its cache) is :mod:`hf_magicdec.calibration`; the
+planner takes its result as ``search_plan(..., calibration=)`` and never imports it.
 
 See ``docs/cost_model.md`` for the formulas and assumptions.
 """
