@@ -22,7 +22,7 @@ from .modelspec import ModelSpec
 from .roofline import draft_steps, target_step, verify_step
 from .selection import choice_seconds, selection_seconds
 
-__all__ = ["omega", "speedup", "Estimate", "estimate", "critical_length"]
+__all__ = ["omega", "speedup", "best_gamma_of", "Estimate", "estimate", "critical_length"]
 
 
 def omega(gamma: int, alpha: float) -> float:
@@ -88,6 +88,17 @@ def speedup(gamma: int, alpha: float, t_target: float, t_draft_total: float, t_v
     if not t_draft_total >= 0:
         raise ValueError(f"t_draft_total must be >= 0 seconds, got {t_draft_total!r}.")
     return omega(gamma, alpha) * t_target / (t_draft_total + t_verify)
+
+
+def best_gamma_of(speedups: dict[int, float], off_below: float | None = None) -> tuple[int, float]:
+    """``(γ, speedup)`` of the largest predicted speedup in ``{γ: speedup}`` (the first such γ on a
+    tie); ``(0, 1.0)``, plain decoding, where that is below ``off_below`` (None: never). The one
+    best-γ choice: the step-time schedule's (:func:`.schedule.best_gamma`) and
+    :func:`critical_length`'s."""
+    gamma = max(speedups, key=speedups.get)
+    if off_below is not None and speedups[gamma] < off_below:
+        return 0, 1.0
+    return gamma, speedups[gamma]
 
 
 @dataclass(frozen=True)
@@ -225,8 +236,8 @@ def critical_length(model: ModelSpec, hardware: HardwareSpec, batch: int, *, dra
 
     def pays(s: int) -> bool:  # at the best γ
         tt = target_step(model, hardware, batch, s).seconds
-        return max(estimate(model, hardware, batch=batch, context=s, draft=draft, budget=budget, gamma=g,
-                            acceptance=acceptance, t_target=tt).speedup for g in gammas) >= threshold
+        return best_gamma_of({g: estimate(model, hardware, batch=batch, context=s, draft=draft, budget=budget, gamma=g,
+                                          acceptance=acceptance, t_target=tt).speedup for g in gammas})[1] >= threshold
 
     low = budget + 1
     if pays(low):
