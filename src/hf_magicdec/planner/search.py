@@ -263,8 +263,9 @@ class SearchSpace:
                              "hf_magicdec.views.get_view('snapkv')); hf_magicdec.plan takes names.")
         if self.draft_model_drafts is None and self.draft_model is not None:
             raise ValueError("draft_model_drafts: pass the draft views to consider for the draft model's cache.")
-        tuples = dict(drafts=_views("drafts", self.drafts or ()),
-                      draft_model_drafts=_views("draft_model_drafts", self.draft_model_drafts or ()),
+        tuples = dict(drafts=_views("drafts", () if self.drafts is None else self.drafts),
+                      draft_model_drafts=_views("draft_model_drafts",
+                                                () if self.draft_model_drafts is None else self.draft_model_drafts),
                       budgets=tuple(self.budgets), gammas=tuple(self.gammas), draft_weights=tuple(self.draft_weights))
         for name, value in tuples.items():
             object.__setattr__(self, name, value)
