@@ -46,14 +46,12 @@ def test_library_works_without_the_tooling():
 
 
 #: The library's only function-local imports, each of a dependency that is optional where it is used:
-#: Triton (GPU kernels), torch inside the torch-free planner (naming a device for a calibration), and
-#: transformers' DeepSpeed / FSDP helpers, whose home moved between releases, and torchao (quantized
-#: draft weights on CUDA).
+#: Triton (GPU kernels), transformers' DeepSpeed / FSDP helpers, whose home moved between releases, and
+#: torchao (quantized draft weights on CUDA).
 OPTIONAL_LOCAL_IMPORTS = {
     ("hf_magicdec/compat.py", "triton.runtime"),  # the torch 2.11 / Triton 3.6 interpreter bridges
     ("hf_magicdec/engine/draft_weights.py", "torchao.quantization"),
     ("hf_magicdec/kernels/__init__.py", "hf_magicdec.kernels.triton_kernels"),
-    ("hf_magicdec/planner/calibration_store.py", "torch"),
     ("hf_magicdec/parallel/lockstep.py", "transformers.integrations.deepspeed"),
     ("hf_magicdec/parallel/lockstep.py", "transformers.distributed.fsdp"),
     ("hf_magicdec/parallel/lockstep.py", "transformers.integrations.fsdp"),

@@ -22,15 +22,15 @@ from typing import Any
 import torch
 from transformers import GenerationConfig
 
+from .calibration.store import load_calibration
 from .config import AUTO, DEFAULT_BUDGET, DEFAULT_GAMMA, MagicDecConfig
 from .engine.draft_weights import feasible_formats, supported_formats
 from .engine.steps import compile_config_for
 from .parallel.lockstep import tp_size
 from .planner import default_acceptance, get_hardware, search_plan
-from .planner.calibrate import load_calibration
 from .planner.memory import draft_key, observed_acceptance
 from .planner.modelspec import ModelSpec
-from .planner.search import DEFAULT_DRAFT_MODEL_DRAFTS
+from .planner.search import DEFAULT_DRAFT_MODEL_DRAFTS, SearchSpace, Workload
 from .planner.schedule import StepModel
 from .views import get_view
 
@@ -67,7 +67,7 @@ class Target:
         return cls(spec, name, torch.device(device), spec.dtype)
 
 
-def hardware_for(model, config: MagicDecConfig, spec=None):
+def hardware_for(model, config: MagicDecConfig):
     """``(HardwareSpec, description)`` the planner uses for this model (see the module docstring)."""
     return device_hardware(Target.of(model), config)
 
@@ -106,6 +106,20 @@ class Resolution:
     step_model: StepModel | None = None
     schedule: bool = False
     use_draft_model: bool = True  # False: the planner preferred self-speculation to the draft model
+
+
+def _changes(config: MagicDecConfig, p, pool) -> dict:
+    """The fields left ``"auto"`` in ``config`` set to the plan's choice (its view from ``pool``), or to
+    the defaults where the plan has no candidate (the prompt is shorter than every budget considered:
+    the view keeps it whole)."""
+    if p.draft is None:
+        chosen = {"draft": config.view if config.view is not None else config.candidates[0],
+                  "draft_budget": DEFAULT_BUDGET if config.draft_budget == AUTO else config.draft_budget,
+                  "gamma": DEFAULT_GAMMA if config.gamma == AUTO else config.gamma, "draft_weights": "full"}
+    else:
+        chosen = {"draft": {v.name: v for v in pool}[p.draft], "draft_budget": p.draft_budget,
+                  "gamma": p.gamma if config.gamma == AUTO else config.gamma, "draft_weights": p.draft_weights}
+    return {k: v for k, v in chosen.items() if _left_to_planner(config, k)}
 
 
 def _first_valid(config: MagicDecConfig, changes: dict) -> MagicDecConfig | None:
@@ -165,7 +179,6 @@ def resolve(config: MagicDecConfig, model, batch: int, prompt_len: int, new_toke
         captured = compile_config_for(config.compile, target.generation_config or GenerationConfig(),
                                       target.device) is not None
     hardware = hardware.replace(captured=captured)
-
     kwargs = search_space(config, target, draft_model, captured, batch, prompt_len, new_tokens, hardware)
     if explicit:
         return Resolution(config, _explicit_plan(config, spec, kwargs), use_draft_model=draft_model is not None)
@@ -175,17 +188,8 @@ def resolve(config: MagicDecConfig, model, batch: int, prompt_len: int, new_toke
         log.info("hf_magicdec planner (%s): plain decoding for batch %d x %d tokens: %s", where, batch, prompt_len,
                  p.reason)
         return Resolution(None, p, use_draft_model=False)
-    pool = kwargs["draft_model_drafts"] if use_draft_model else kwargs["drafts"]
-    candidates = {v.name: v for v in pool}
-    if p.draft is None:  # prompt shorter than every budget considered: the view keeps it whole
-        chosen = {"draft": config.view if config.view is not None else config.candidates[0],
-                  "draft_budget": DEFAULT_BUDGET if config.draft_budget == AUTO else config.draft_budget,
-                  "gamma": DEFAULT_GAMMA if config.gamma == AUTO else config.gamma, "draft_weights": "full"}
-    else:
-        chosen = {"draft": candidates[p.draft], "draft_budget": p.draft_budget,
-                  "gamma": p.gamma if config.gamma == AUTO else config.gamma, "draft_weights": p.draft_weights}
-    changes = {k: v for k, v in chosen.items() if _left_to_planner(config, k)}
-    resolved = _first_valid(config, changes)
+    space = kwargs["space"]
+    resolved = _first_valid(config, _changes(config, p, space.draft_model_drafts if use_draft_model else space.drafts))
     if resolved is None:  # nothing fits the explicit fields (e.g. a budget too small for any γ)
         return Resolution(None, p, use_draft_model=False)
     p = _as_run(p, resolved, spec, kwargs)
@@ -193,20 +197,21 @@ def resolve(config: MagicDecConfig, model, batch: int, prompt_len: int, new_toke
              resolved.draft_budget, resolved.gamma, p.predicted_speedup)
     if not resolved.adaptive:
         return Resolution(resolved, p, use_draft_model=use_draft_model)
-    drafter = kwargs["draft_model"] if use_draft_model else spec.with_weights(resolved.draft_weights)
+    drafter = space.draft_model if use_draft_model else spec.with_weights(resolved.draft_weights)
     # Adaptive γ re-weighs γ each step with the same step-time model, at the batch and context reached.
     model = StepModel(spec, hardware, drafter, resolved.draft_budget, resolved.view,
                       tuple(range(1, resolved.max_gamma + 1)))
-    schedule = kwargs["schedule"] and not use_draft_model
+    schedule = space.schedule and not use_draft_model
     return Resolution(resolved, p, model, schedule=schedule, use_draft_model=use_draft_model)
 
 
-def search_space(config: MagicDecConfig, target: Target | None, draft_model, captured: bool, batch: int, prompt_len: int,
-                 new_tokens: int, hardware) -> dict[str, Any]:
-    """The planner's search (:func:`~hf_magicdec.planner.search_plan` keywords) for ``config``: its
-    views or candidates, the budgets and γ it leaves open, the draft weights this device can run,
-    α as measured by earlier generations of the target's model (``config.acceptance_memory``) or
-    the prior. ``target`` None: a config on a named preset (full-precision draft weights only)."""
+def search_space(config: MagicDecConfig, target: Target | None, draft_model, captured: bool, batch: int,
+                 prompt_len: int, new_tokens: int, hardware) -> dict[str, Any]:
+    """The planner's search for ``config`` (:func:`~hf_magicdec.planner.search_plan`'s keywords
+    ``workload``, ``hardware``, ``space``, ``acceptance``): its views or candidates, the budgets and
+    γ it leaves open, the draft weights this device can run, α as measured by earlier generations
+    of the target's model (``config.acceptance_memory``) or the prior. ``target`` None: a config on
+    a named preset (full-precision draft weights only)."""
     model = target.model if target is not None else None
 
     def prior_or_observed(draft, budget, context):
@@ -216,27 +221,25 @@ def search_space(config: MagicDecConfig, target: Target | None, draft_model, cap
         seen = observed_acceptance(model, key, budget)
         return seen if seen is not None else default_acceptance(draft, budget, context, prompt_len)
 
-    kwargs = dict(batch_size=batch, prompt_len=max(prompt_len, 1), new_tokens=max(new_tokens, 1), hardware=hardware,
-                  acceptance=prior_or_observed)
-    kwargs["drafts"] = (config.view,) if config.view is not None else config.candidates
+    space = dict(drafts=(config.view,) if config.view is not None else config.candidates,
+                 gammas=((config.gamma,) if config.gamma > 0 else (1,)) if config.gamma != AUTO
+                 else tuple(range(1, config.max_gamma + 1)),
+                 draft_weights=_weight_candidates(config, target, draft_model, captured),
+                 # γ follows the context down to 0 where the planner may decline (a call that asked for a
+                 # budget or a γ speculates throughout, adapting γ >= 1): the candidates are priced by that
+                 # schedule.
+                 schedule=config.adaptive and config.planner_may_decline)
     if config.draft_budget != AUTO:
-        kwargs["budgets"] = (config.draft_budget,)
-    if config.gamma != AUTO:
-        kwargs["gammas"] = (config.gamma,) if config.gamma > 0 else (1,)
-    else:
-        kwargs["gammas"] = tuple(range(1, config.max_gamma + 1))
-    kwargs["draft_weights"] = _weight_candidates(config, target, draft_model, captured)
-    # γ follows the context down to 0 where the planner may decline (a call that asked for a budget
-    # or a γ speculates throughout, adapting γ >= 1): the candidates are priced by that schedule.
-    kwargs["schedule"] = config.adaptive and config.planner_may_decline
+        space["budgets"] = (config.draft_budget,)
     if draft_model is not None:
-        kwargs["draft_model"] = (ModelSpec.from_config(draft_model.config, dtype=draft_model.dtype)
-                                 if hasattr(draft_model, "parameters") else draft_model)
-        kwargs["self_speculation"] = config.planner_may_decline and config.view is None
         own = {v.name: v for v in config.candidates}  # the candidates' options apply to the draft model's cache too
-        kwargs["draft_model_drafts"] = ((config.view,) if config.view is not None else
-                                        tuple(own.get(d) or get_view(d) for d in DEFAULT_DRAFT_MODEL_DRAFTS))
-    return kwargs
+        space.update(draft_model=(ModelSpec.from_config(draft_model.config, dtype=draft_model.dtype)
+                                  if hasattr(draft_model, "parameters") else draft_model),
+                     self_speculation=config.planner_may_decline and config.view is None,
+                     draft_model_drafts=((config.view,) if config.view is not None else
+                                         tuple(own.get(d) or get_view(d) for d in DEFAULT_DRAFT_MODEL_DRAFTS)))
+    return dict(workload=Workload(batch, max(prompt_len, 1), max(new_tokens, 1)), hardware=hardware,
+                acceptance=prior_or_observed, space=SearchSpace(**space))
 
 
 def _weight_candidates(config: MagicDecConfig, target: Target | None, draft_model, captured: bool) -> tuple[str, ...]:
@@ -258,16 +261,14 @@ def _as_run(p, resolved: MagicDecConfig, spec, kwargs: dict):
     estimate of the nearest choice the explicit settings allowed."""
     ran = (resolved.draft_name, resolved.draft_budget, resolved.gamma, resolved.draft_weights)
     if resolved.gamma == 0:
-        return dataclasses.replace(p, speculate=False, gamma=0, draft=ran[0], draft_budget=ran[1], draft_weights="full",
-                                   predicted_speedup=1.0, reason="gamma=0: plain decoding on MagicDec's cache (no draft)")
+        return dataclasses.replace(p, speculate=False, gamma=0, draft=ran[0], draft_budget=ran[1],
+                                   draft_weights="full", predicted_speedup=1.0,
+                                   reason="gamma=0: plain decoding on MagicDec's cache (no draft)")
     if p.draft is None:  # no budget below the prompt: the view holds it whole, as the defaults say
         return dataclasses.replace(p, speculate=True, draft=ran[0], draft_budget=ran[1], gamma=ran[2],
                                    draft_weights=ran[3], reason=f"speculating as asked, though {p.reason}")
     if (p.draft, p.draft_budget, p.gamma, p.draft_weights) != ran and not p.draft_model:
-        pinned = dict(kwargs, drafts=(resolved.view,), budgets=(resolved.draft_budget,),
-                      gammas=(max(resolved.gamma, 1),), draft_weights=(resolved.draft_weights,), min_speedup=0.0)
-        pinned.pop("draft_model", None), pinned.pop("draft_model_drafts", None), pinned.pop("self_speculation", None)
-        nearest = search_plan(spec, **pinned)
+        nearest = _pinned(spec, kwargs, resolved, draft_model=False)
         if nearest.draft is not None:
             reason = (f"the explicit settings rule out the planner's best ({p.draft}/{p.draft_budget} γ={p.gamma}, "
                       f"{p.predicted_speedup:.2f}x); the nearest they allow")
@@ -282,11 +283,7 @@ def _explicit_plan(config: MagicDecConfig, spec, kwargs: dict):
     """The plan of a configuration with nothing left to choose: its own estimate (it runs whatever
     that predicts; ``gamma=0`` decodes plainly on MagicDec's cache)."""
     view = config.view
-    pinned = dict(kwargs, drafts=(view,), budgets=(config.draft_budget,), gammas=(max(config.gamma, 1),),
-                  draft_weights=(config.draft_weights,), min_speedup=0.0)
-    if "draft_model" in pinned:
-        pinned.update(draft_model_drafts=(view,), self_speculation=False)
-    p = search_plan(spec, **pinned)
+    p = _pinned(spec, kwargs, config, draft_model=True)
     if config.gamma == 0:
         return dataclasses.replace(p, speculate=False, gamma=0, predicted_speedup=1.0,
                                    reason="gamma=0: plain decoding on MagicDec's cache (no draft)")
@@ -296,6 +293,19 @@ def _explicit_plan(config: MagicDecConfig, spec, kwargs: dict):
                                    reason=f"explicit settings, run as given ({p.reason})")
     return dataclasses.replace(p, speculate=True, reason=f"explicit settings, run as given (predicted "
                                                          f"{p.predicted_speedup:.2f}x)")
+
+
+def _pinned(spec, kwargs: dict, config: MagicDecConfig, draft_model: bool):
+    """The search of ``config``'s one candidate (its view, budget, γ ≥ 1 and draft weights) without a
+    speedup threshold: on the draft model's cache where ``draft_model`` and the search has one, else
+    self-speculation."""
+    view = config.view
+    space = dataclasses.replace(kwargs["space"], drafts=(view,), budgets=(config.draft_budget,),
+                                gammas=(max(config.gamma, 1),), draft_weights=(config.draft_weights,))
+    if space.draft_model is not None:
+        space = dataclasses.replace(space, draft_model_drafts=(view,), self_speculation=False) if draft_model \
+            else dataclasses.replace(space, draft_model=None, draft_model_drafts=None, self_speculation=True)
+    return search_plan(spec, **dict(kwargs, space=space, min_speedup=0.0))
 
 
 def _left_to_planner(config: MagicDecConfig, field: str) -> bool:

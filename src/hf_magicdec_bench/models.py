@@ -48,7 +48,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 import torch
-from hf_magicdec.planner.calibrate import cache_root
+from hf_magicdec.calibration import cache_root
 from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
 from transformers.utils import logging as hf_logging
 

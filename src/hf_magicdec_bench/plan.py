@@ -186,7 +186,7 @@ def _probe(args, spec) -> dict[tuple[str, int], float]:
 def _calibration(args, name: str, spec) -> Any:
     """This model's calibration on ``args.device`` (cached, or measured now with ``--calibrate``), or None."""
     from hf_magicdec import calibration
-    from hf_magicdec.planner import calibrate as cal
+    from hf_magicdec import calibration as cal
 
     # A preset plans without measuring; main() refuses --calibrate beside any preset but cpu, which
     # then means this CPU.

@@ -230,7 +230,7 @@ def test_generate_with_auto_weights_remembers_the_quantized_acceptance():
 def test_calibration_fits_the_quantized_kernels_rate():
     """fit_quantized recovers the rate that generated the quantized draft timings; the calibrated
     hardware then carries it, and a saved calibration keeps it."""
-    from hf_magicdec.planner.calibrate import Calibration, Measurement, fit_quantized
+    from hf_magicdec.calibration import Calibration, Measurement, fit_quantized
 
     spec = ModelSpec.from_config(LLAMA_8B)
     hw = get_hardware("cpu").replace(peak_flops={"float32": 100e9}, format_flops={"int8": 3e11})
@@ -248,7 +248,7 @@ def test_the_fp16_weight_rate_is_fitted_and_read_apart_from_the_float16_dtype():
     """fp16 *weights* (fbgemm's fp16-weight linear, fp32 math) have their own rate: the fit moves
     it (it once wrote the rate into the float16 dtype's peak, which the planner never reads for fp16
     weights, so every rate fitted equally and the float16 dtype got a nonsense peak)."""
-    from hf_magicdec.planner.calibrate import Calibration, Measurement, fit_quantized
+    from hf_magicdec.calibration import Calibration, Measurement, fit_quantized
     from hf_magicdec.planner.roofline import draft_step
 
     spec = ModelSpec.from_config(LLAMA_8B)

@@ -51,7 +51,7 @@ OPTIONS = {
 def _calibration(spec):
     """A fixed calibration of ``spec`` (its rates are made up, not measured; its device named the
     same on every machine)."""
-    from hf_magicdec.planner.calibrate import Calibration
+    from hf_magicdec.calibration import Calibration
 
     return Calibration(model=spec.name, spec=spec, device="cpu-grid", dtype=spec.dtype, bandwidth=11e9,
                        flops=95e9, overhead=3.5e-3, overlap=False, measurements=(), rel_rms_error=0.1,
@@ -80,7 +80,7 @@ def _record(plan) -> dict:
 
 def grid_plans(cache_dir: Path) -> dict[str, dict]:
     import hf_magicdec
-    from hf_magicdec.planner.calibrate import calibration_path, device_key
+    from hf_magicdec.calibration import calibration_path, device_key
     from hf_magicdec.resolve import Target
 
     out = {}

@@ -1,191 +1,231 @@
-"""Calibrate the planner on the real model: measure step times at a few operating points and fit
-the roofline to them (cached as JSON beside other calibrations)."""
+"""The torch-free fit of the roofline's effective rates to measured step times.
+
+Pure rooflines use datasheet peaks and overshoot (MagicDec §3). :func:`~.measure.calibrate` times a
+few operating points ``(B, S, q)`` with the engine's own forwards (:func:`~.steps.measure_steps`),
+and :func:`fit` fits three non-negative numbers to them by least squares on relative error:
+
+* ``overhead``  seconds per forward (dispatch, kernel launches, Python),
+* ``1/bandwidth``  seconds per byte of weights and KV,
+* ``1/flops``  seconds per FLOP,
+
+keeping the roofline's op groups (linear, attention, LM head; see
+:mod:`~hf_magicdec.planner.roofline`). Two forms are fitted and the better one kept: the
+roofline ``max(FLOPs / flops, bytes / bandwidth)`` per group (each group charged the side of the
+fitted roofline it sits on; assignment and fit alternate until the assignment is stable), and
+``FLOPs / flops + bytes / bandwidth`` (no overlap of compute and memory traffic, which describes
+small matmuls on CPUs better). Predictions at unmeasured points come from the same model with the
+fitted numbers (:meth:`~.store.Calibration.hardware`). The records and their JSON cache live in
+:mod:`.store`.
+"""
 
 from __future__ import annotations
 
-import datetime
-import os
-import platform
-import time
-import warnings
-from typing import Any, Iterable
+import dataclasses
+import itertools
+import math
+import statistics
+from typing import Iterable, Sequence
 
-import torch
-import transformers
-
-from ..engine.draft_weights import feasible_formats
-from ..planner._checks import check_int
-from ..planner.calibrate import (
-    DEFAULT_BUDGETS,
-    DEFAULT_GAMMAS,
-    DEFAULT_POINTS,
-    Calibration,
-    Measurement,
-    calibration_path,
-    device_key,
-    fit,
-    fit_quantized,
-)
-from ..planner.hardware import HardwareSpec
+from ..planner.hardware import HardwareSpec, get_hardware
 from ..planner.modelspec import ModelSpec
-from .steps import measure_steps
+from ..planner.roofline import group_work
+from .store import Fit, Measurement
 
-__all__ = ["calibrate"]
+__all__ = ["fit", "fit_quantized", "nnls"]
 
 
-def _cpu_busy(interval: float = 0.25) -> float:
-    """Fraction of all CPUs busy over ``interval`` seconds while we wait (other processes' load).
+# ---------------------------------------------------------------------------------------- fit
 
-    Read from ``/proc/stat``; elsewhere the 1-minute load average per CPU stands in (it lags).
+
+def _solve(a: list[list[float]], b: list[float]) -> list[float] | None:
+    """Solve the square system ``a x = b`` by Gaussian elimination; None if singular."""
+    n = len(b)
+    m = [row[:] + [b[i]] for i, row in enumerate(a)]
+    for col in range(n):
+        pivot = max(range(col, n), key=lambda r: abs(m[r][col]))
+        if abs(m[pivot][col]) < 1e-300:
+            return None
+        m[col], m[pivot] = m[pivot], m[col]
+        for r in range(n):
+            if r != col:
+                f = m[r][col] / m[col][col]
+                for c in range(col, n + 1):
+                    m[r][c] -= f * m[col][c]
+    return [m[i][n] / m[i][i] for i in range(n)]
+
+
+def nnls(rows: Sequence[Sequence[float]], targets: Sequence[float]) -> list[float]:
+    """Non-negative least squares ``min ||A x − t||² s.t. x ≥ 0`` for a few unknowns.
+
+    Exact: tries every subset of free unknowns (the others pinned at 0), solves its normal
+    equations and keeps the best non-negative solution. Fine for the 3–4 unknowns of the fit.
+    Columns are scaled to unit norm first so that seconds-per-byte and seconds-per-forward
+    (20 orders of magnitude apart) stay well conditioned.
     """
-
-    def sample() -> tuple[int, int]:
-        with open("/proc/stat", encoding="utf-8") as fh:
-            values = [int(v) for v in fh.readline().split()[1:]]
-        return values[3] + (values[4] if len(values) > 4 else 0), sum(values)  # idle + iowait, total
-
-    try:
-        idle0, total0 = sample()
-        time.sleep(interval)
-        idle1, total1 = sample()
-        return 1.0 - (idle1 - idle0) / max(1, total1 - total0)
-    except (OSError, ValueError, IndexError):
-        try:
-            return min(1.0, os.getloadavg()[0] / (os.cpu_count() or 1))
-        except (AttributeError, OSError):
-            return 0.0
-
-
-def _versions() -> dict[str, str]:
-    return {"torch": torch.__version__, "transformers": transformers.__version__,
-            "python": platform.python_version(), "threads": str(torch.get_num_threads())}
+    n = len(rows[0])
+    scale = [math.sqrt(sum(r[j] ** 2 for r in rows)) or 1.0 for j in range(n)]
+    a = [[r[j] / scale[j] for j in range(n)] for r in rows]
+    best, best_err = [0.0] * n, sum(t * t for t in targets)
+    for size in range(1, n + 1):
+        for free in itertools.combinations(range(n), size):
+            ata = [[sum(r[i] * r[j] for r in a) for j in free] for i in free]
+            atb = [sum(r[i] * t for r, t in zip(a, targets)) for i in free]
+            sol = _solve(ata, atb)
+            if sol is None or any(v < 0 for v in sol):
+                continue
+            x = [0.0] * n
+            for i, v in zip(free, sol):
+                x[i] = v
+            err = sum((sum(r[j] * x[j] for j in range(n)) - t) ** 2 for r, t in zip(a, targets))
+            if err < best_err:
+                best, best_err = x, err
+    return [v / s for v, s in zip(best, scale)]
 
 
-def calibrate(
-    model: Any,
-    *,
-    name: str | None = None,
-    points: Iterable[tuple[int, int]] = DEFAULT_POINTS,
-    gammas: Iterable[int] = DEFAULT_GAMMAS,
-    budgets: Iterable[int] = DEFAULT_BUDGETS,
-    repeats: int = 5,
-    passes: int = 2,
-    statistic: str = "min",
-    base: HardwareSpec | str = "cpu",
-    form: str = "auto",
-    cache: bool = True,
-    force: bool = False,
-    cache_dir: str | os.PathLike | None = None,
-    progress: Any = None,
-    draft_weights: Iterable[str] | None = None,
-) -> Calibration:
-    """Measure the model's step times on its device and fit the roofline to them.
+def _rms(errors: Iterable[float]) -> float:
+    errors = list(errors)
+    return math.sqrt(sum(e * e for e in errors) / len(errors)) if errors else 0.0
+
+
+def _fit_max(work, measurements, bw, fl, oh, max_iterations):
+    """Roofline form: alternate compute/memory assignment of every group and an NNLS fit."""
+
+    def error(bw_, fl_, oh_):
+        return _rms((oh_ + sum(n * max(f / fl_, b / bw_) for f, b, n in w.values()) - m.seconds) / m.seconds
+                    for w, m in zip(work, measurements))
+
+    best = (bw, fl, oh, error(bw, fl, oh))
+    seen = set()
+    for _ in range(max_iterations):
+        # Assign every group of every forward to the side of the current roofline it sits on.
+        assignment = tuple(tuple(f / fl > b / bw for f, b, _ in w.values()) for w in work)
+        if assignment in seen:
+            break
+        seen.add(assignment)
+        oh, bw, fl = _fit_rates(work, measurements, assignment, bw, fl)
+        err = error(bw, fl, oh)
+        if err < best[3]:
+            best = (bw, fl, oh, err)
+    return best
+
+
+def _fit_rates(work, measurements, assignment, bw: float, fl: float) -> tuple[float, float, float]:
+    """``(overhead, bandwidth, flops)`` fitted by NNLS on relative error, each group's bytes and FLOPs
+    counted on the side ``assignment`` puts it (True: compute, False: memory, None: both); a rate the
+    data does not constrain (a zero coefficient) keeps the given one."""
+    rows = []
+    for w, m, sides in zip(work, measurements, assignment):
+        nbytes = sum(n * b for (f, b, n), compute in zip(w.values(), sides) if compute is not True)
+        nflops = sum(n * f for (f, b, n), compute in zip(w.values(), sides) if compute is not False)
+        rows.append([1.0 / m.seconds, nbytes / m.seconds, nflops / m.seconds])  # relative error
+    x_oh, x_bw, x_fl = nnls(rows, [1.0] * len(rows))
+    return x_oh, 1.0 / x_bw if x_bw > 0 else bw, 1.0 / x_fl if x_fl > 0 else fl
+
+
+def _fit_sum(work, measurements, bw, fl):
+    """Additive form: time = overhead + bytes / bandwidth + FLOPs / flops, linear in the unknowns."""
+    x_oh, bw, fl = _fit_rates(work, measurements, [[None] * len(w) for w in work], bw, fl)
+    err = _rms((x_oh + sum(n * (f / fl + b / bw) for f, b, n in w.values()) - m.seconds) / m.seconds
+               for w, m in zip(work, measurements))
+    return bw, fl, x_oh, err
+
+
+def _fit_forms(model, work, measurements, base, form, max_iterations) -> Fit:
+    bw, fl, oh = base.bandwidth, base.peak(model.dtype), base.overhead
+    fits = []
+    if form in ("auto", "max"):
+        b, f, o, e = _fit_max(work, measurements, bw, fl, oh, max_iterations)
+        fits.append(Fit(b, f, o, True, e))
+    if form in ("auto", "sum"):
+        b, f, o, e = _fit_sum(work, measurements, bw, fl)
+        fits.append(Fit(b, f, o, False, e))
+    return min(fits, key=lambda x: x.rel_rms_error)
+
+
+def fit(model: ModelSpec, measurements: Sequence[Measurement], base: HardwareSpec | str = "cpu",
+        form: str = "auto", trim: bool = True, max_iterations: int = 20) -> Fit:
+    """Fit effective bandwidth, FLOP/s and per-forward overhead to measured forwards.
+
+    Minimises the relative squared error with non-negative least squares over
+    ``(overhead, 1/bandwidth, 1/flops)``.
 
     Parameters
     ----------
-    model : transformers.PreTrainedModel
-        On its device, in the dtype to calibrate.
-    name : str, optional
-        Name for the cache file (default ``model.config._name_or_path``).
-    points : iterable of (batch, context)
-        Operating points; each costs one cache fill and ``(1 + len(gammas) + len(budgets)) ·
-        (1 + repeats)`` forwards.
-    gammas, budgets :
-        Verification sizes and draft budgets timed at every point (budgets ≥ context are
-        skipped there).
-    repeats : int
-        Timed runs per forward.
-    passes : int
-        Times the whole list of points is measured; each forward keeps its best pass. A burst of
-        other work then has to hit the same forward in every pass to bend the fit.
-    statistic : str
-        ``"min"`` (default: robust to other processes) or ``"median"`` over the repeats.
+    model : ModelSpec
+        Shapes and dtype of the measured model.
+    measurements : sequence of Measurement
+        At least three forwards of different shapes.
     base : HardwareSpec or str
-        Preset to start the fit from (``"cpu"`` for CPUs, e.g. ``"h100"`` on an H100).
+        Starting point (its rates decide the first compute/memory assignment of the roofline
+        form) and fallback for a rate the data cannot identify (e.g. no group was ever
+        compute-bound).
     form : str
-        ``"auto"``, ``"max"`` (roofline) or ``"sum"`` (no compute/memory overlap), see :func:`fit`.
-    cache : bool
-        Read and write the JSON cache.
-    force : bool
-        Measure again even if a cached calibration exists.
-    cache_dir : path-like, optional
-        Root of the cache (see :func:`hf_magicdec.planner.calibrate.cache_root`).
-    progress : callable, optional
-        Called with one line of text per measured point.
-    draft_weights : iterable of str, optional
-        Quantized draft formats whose draft steps are timed too, to fit their kernels' effective
-        rate (``Calibration.quantized_flops``, used when the planner weighs ``draft_weights``).
-        Default: every format the device has a kernel for and the model can use.
+        ``"max"``: the roofline, each group on the side of the fitted roofline it falls on
+        (alternating assignment and fit until the assignment is stable). ``"sum"``: compute and
+        memory do not overlap (small matmuls on CPUs). ``"auto"``: both, keep the smaller error.
+    trim : bool
+        Refit without measurements whose relative error exceeds ``max(30 %, 4 × the median
+        error)`` (at most a quarter of them, twice at most): a forward timed while another
+        process held the machine should not bend the fit.
+    max_iterations : int
+        Bound on assignment/fit alternations of the ``"max"`` form.
 
     Returns
     -------
-    Calibration
+    Fit
 
-    Examples
-    --------
-    >>> cal = calibrate(model, name="smollm2-135m")          # doctest: +SKIP
-    >>> plan(model.config, ..., hardware="cpu", calibration=cal)  # doctest: +SKIP
+    Raises
+    ------
+    ValueError
+        With fewer than three measurements or an unknown ``form``.
     """
-    param = next(model.parameters())
-    spec = ModelSpec.from_config(model.config, dtype=param.dtype)
-    name = name or getattr(model.config, "_name_or_path", None) or spec.name
-    device = device_key(param.device)
-    path = calibration_path(name, spec, device, spec.dtype, cache_dir)
-    if cache and not force and path.is_file():
-        try:
-            return Calibration.load(path)
-        except (OSError, ValueError, KeyError, TypeError):
-            pass  # stale: measure again
-    gammas, budgets, points = tuple(gammas), tuple(budgets), tuple(points)
-    check_int("passes", passes)
-    if not points:
-        raise ValueError("points must not be empty.")
-    busy_before = _cpu_busy()
-    if param.device.type == "cpu" and busy_before > 0.5:
-        warnings.warn(f"calibrating while the machine is busy ({busy_before:.0%} of the CPUs in use by other "
-                      "processes): timings will include their work", RuntimeWarning, stacklevel=2)
-    t0 = time.perf_counter()
-    # The first forwards of a process pay for allocator growth and thread-pool start-up.
-    measure_steps(model, 1, 128, gammas=(1,), budgets=(64,), repeats=1)
-    formats = tuple(draft_weights) if draft_weights is not None else feasible_formats(model, param.device)
-    best: dict[tuple, Measurement] = {}
-    for _ in range(passes):
-        for batch, context in points:
-            _measure_point(model, batch, context, gammas, budgets, repeats, statistic, formats, best, progress)
-    measurements = list(best.values())
-    full = [m for m in measurements if m.weights == "full"]
-    fitted = fit(spec, full, base, form=form)
-    quantized = fit_quantized(spec, measurements, fitted.hardware(base, spec.dtype))
-    result = Calibration(
-        model=name, spec=spec, device=device, dtype=spec.dtype, bandwidth=fitted.bandwidth, flops=fitted.flops,
-        overhead=fitted.overhead, overlap=fitted.overlap, measurements=tuple(measurements),
-        rel_rms_error=fitted.rel_rms_error, outliers=tuple(measurements.index(full[i]) for i in fitted.outliers),
-        wall_seconds=time.perf_counter() - t0, quantized_flops=quantized,
-        created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        versions={**_versions(), "cpu_busy_before": f"{busy_before:.2f}"},
-    )
-    if cache:
-        result.save(path)
+    if len(measurements) < 3:
+        raise ValueError(f"fit needs at least 3 measurements, got {len(measurements)}.")
+    if form not in ("auto", "max", "sum"):
+        raise ValueError(f"Unknown {form=!r}; choose 'auto', 'max' or 'sum'.")
+    base = get_hardware(base)
+    work = [group_work(model, 1, batch=m.batch, query_tokens=m.query_tokens, kv_tokens=m.kv_tokens,
+                       logit_tokens=m.logit_tokens) for m in measurements]
+    keep = list(range(len(measurements)))
+    result = _fit_forms(model, [work[i] for i in keep], [measurements[i] for i in keep], base, form, max_iterations)
+    for _ in range(2 if trim else 0):
+        hw = result.hardware(base, model.dtype)
+        errors = [abs(m.predict(model, hw) - m.seconds) / m.seconds for m in measurements]
+        limit = max(0.3, 4 * statistics.median(errors))
+        bad = {i for i, e in enumerate(errors) if e > limit}
+        if not bad or len(measurements) - len(bad) < max(3, math.ceil(0.75 * len(measurements))):
+            break
+        keep = [i for i in range(len(measurements)) if i not in bad]
+        refit = _fit_forms(model, [work[i] for i in keep], [measurements[i] for i in keep], base, form,
+                           max_iterations)
+        result = dataclasses.replace(refit, outliers=tuple(sorted(bad)))
     return result
 
 
-def _measure_point(model, batch: int, context: int, gammas, budgets, repeats: int, statistic: str, formats,
-                   best: dict, progress) -> None:
-    """Time one operating point (every quantized format's draft too) and keep, per forward, the
-    fastest measurement of all passes in ``best``."""
-    usable = tuple(k for k in budgets if k < context) or (min(budgets),)
-    timed = [measure_steps(model, batch, context, gammas=gammas, budgets=usable, repeats=repeats,
-                           statistic=statistic, draft_weights=formats[0] if formats else "full")]
-    timed += [measure_steps(model, batch, context, gammas=(1,), budgets=usable, repeats=repeats,
-                            statistic=statistic, draft_weights=fmt) for fmt in formats[1:]]
-    for m in (m for t in timed for m in t.measurements()):
-        key = (m.kind, m.batch, m.query_tokens, m.kv_tokens, m.logit_tokens, m.weights)
-        if key not in best or m.seconds < best[key].seconds:
-            best[key] = m
-    if progress is not None:
-        steps = timed[0]
-        progress(f"  B={batch:<3} S={context:<6} T_T={steps.t_target * 1e3:8.2f} ms  "
-                 + "  ".join(f"T_V(g={g})={t * 1e3:.2f} ms" for g, t in steps.t_verify.items()) + "  "
-                 + "  ".join(f"T_D(K={k})={t * 1e3:.2f} ms" for k, t in steps.t_draft.items())
-                 + "".join(f"  T_D(K={k}, {t.draft_weights})={v * 1e3:.2f} ms"
-                           for t in timed for k, v in t.t_draft_quantized.items()))
+def fit_quantized(model: ModelSpec, measurements: Sequence[Measurement], hardware: HardwareSpec) -> dict[str, float]:
+    """Effective FLOP/s of quantized linear layers per format, the other rates fixed.
+
+    ``hardware`` carries the rates fitted to the full-precision forwards; for each weight format
+    among ``measurements`` (``Measurement.weights``), one rate is chosen on a log grid from
+    0.1 GFLOP/s to 1 PFLOP/s (refined around the best point) to minimise the relative RMS error of
+    those forwards: the kernel's measured efficiency, where the roofline alone knows only its
+    bytes.
+
+    Returns
+    -------
+    dict
+        ``{format: FLOP/s}`` (empty when no quantized forward was measured).
+    """
+    out: dict[str, float] = {}
+    for fmt in sorted({m.weights for m in measurements} - {"full"}):
+        timed = [m for m in measurements if m.weights == fmt]
+
+        def error(rate: float) -> float:
+            hw = hardware.replace(format_flops={**hardware.format_flops, fmt: rate})
+            return _rms((m.predict(model, hw) - m.seconds) / m.seconds for m in timed)
+
+        grid = [10 ** (8 + i / 8) for i in range(57)]  # 1e8 … 1e15
+        best = min(grid, key=error)
+        fine = [best * 10 ** (i / 64) for i in range(-8, 9)]
+        out[fmt] = min(fine, key=error)
+    return out

@@ -1,7 +1,7 @@
 """Time the engine's own target, verify and draft forwards on one prefilled cache.
 
 The planner (:mod:`hf_magicdec.planner`) is torch-free and never imports the engine; it fits the
-numbers measured here (:func:`hf_magicdec.planner.calibrate.fit`). Each forward is the engine's
+numbers measured here (:func:`hf_magicdec.calibration.fit.fit`). Each forward is the engine's
 own (:mod:`hf_magicdec.engine.steps`) on a :class:`~hf_magicdec.engine.cache.MagicDecCache`,
 timed round-robin so that a burst of other work spreads over all of them.
 """
@@ -22,9 +22,9 @@ from ..engine.draft_weights import check_draft_weights, draft_twin
 from ..engine.drafters import new_cache, twin_call
 from ..engine.steps import ModelCall, draft_step, prefill, verify_step
 from ..planner._checks import check_int
-from ..planner.calibrate import StepTimes
 from ..planner.modelspec import ModelSpec
 from ..views import DraftView
+from .store import StepTimes
 
 __all__ = ["measure_steps"]
 
@@ -144,12 +144,7 @@ def measure_steps(
         For non-positive sizes or ``input_ids`` of the wrong shape.
     """
     gammas, budgets = tuple(gammas), tuple(budgets)
-    _check_sizes(batch, context, repeats, gammas, budgets, statistic, input_ids)
-    if capacity is not None:
-        check_int("capacity", capacity)
-        if capacity < context + max(gammas) + 2:
-            raise ValueError(f"capacity must hold the context and a verification, at least "
-                             f"{context + max(gammas) + 2}; got {capacity=}.")
+    _check_sizes(batch, context, repeats, gammas, budgets, statistic, input_ids, capacity)
     device = next(model.parameters()).device
     quantized = draft_weights not in ("full", AUTO)
     if quantized:
@@ -177,13 +172,14 @@ def measure_steps(
         limit = torch._dynamo.config.patch(recompile_limit=64) if compiled else contextlib.nullcontext()
         with limit:
             times = _time_rounds(jobs, repeats, sync, statistic)
-    return StepTimes(batch, context, draft, times[("target", 1)],
-                     {g: times[("verify", g)] for g in gammas}, {k: times[("draft", k)] for k in budgets},
-                     prefill_seconds, draft_weights if quantized else "full",
-                     {k: times[("draft_q", k)] for k in budgets} if quantized else {})
+    return StepTimes(batch=batch, context=context, draft=draft, t_target=times[("target", 1)],
+                     t_verify={g: times[("verify", g)] for g in gammas},
+                     t_draft={k: times[("draft", k)] for k in budgets}, prefill_seconds=prefill_seconds,
+                     draft_weights=draft_weights if quantized else "full",
+                     t_draft_quantized={k: times[("draft_q", k)] for k in budgets} if quantized else {})
 
 
-def _check_sizes(batch, context, repeats, gammas, budgets, statistic, input_ids) -> None:
+def _check_sizes(batch, context, repeats, gammas, budgets, statistic, input_ids, capacity) -> None:
     for name, value in (("batch", batch), ("context", context), ("repeats", repeats)):
         check_int(name, value)
     if not gammas or not budgets:
@@ -192,6 +188,11 @@ def _check_sizes(batch, context, repeats, gammas, budgets, statistic, input_ids)
         raise ValueError(f"Unknown {statistic=!r}; choose one of {sorted(_STATISTICS)}.")
     if input_ids is not None and tuple(input_ids.shape) != (batch, context):
         raise ValueError(f"input_ids must have shape {(batch, context)}, got {tuple(input_ids.shape)}.")
+    if capacity is not None:
+        check_int("capacity", capacity)
+        if capacity < context + max(gammas) + 2:
+            raise ValueError(f"capacity must hold the context and a verification, at least "
+                             f"{context + max(gammas) + 2}; got {capacity=}.")
 
 
 def _jobs(call, twin, cache, view, tokens, gammas, budgets, context) -> dict:

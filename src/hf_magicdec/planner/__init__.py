@@ -1,9 +1,9 @@
 """MagicDec's cost model: when does self-speculation pay, and with which draft view, budget and γ?
 
-    from . import search_plan
+    from . import SearchSpace, Workload, search_plan
     from ..views import get_view
     views = [get_view("streamingllm"), get_view("snapkv", window=16)]
-    p = search_plan(model.config, batch_size=32, prompt_len=32768, new_tokens=256, hardware="h100", drafts=views)
+    p = search_plan(model.config, Workload(32, 32768, 256), "h100", SearchSpace(drafts=views))
     if p.speculate:
         out = model.generate(**inputs, speculative=p)
 
@@ -11,7 +11,7 @@
 imports the views (they need torch): it asks the view objects its callers pass which budgets and
 γ fit (``view.fits``) and what selecting costs (``query_aware``, ``page_size``).
 
-Modules (all pure Python; only :mod:`.calibrate` imports torch, lazily):
+Modules (all pure Python):
 
 * :mod:`.hardware`    peak FLOP/s, bandwidth, tensor parallelism; presets
 * :mod:`.modelspec`   shapes from any HF config
@@ -20,9 +20,12 @@ Modules (all pure Python; only :mod:`.calibrate` imports torch, lazily):
 * :mod:`.speculation` Ω(γ, α), speedup, critical context length
 * :mod:`.search`      the search over (draft, budget, γ): :func:`search_plan`
 * :mod:`.memory`      the acceptance measured by earlier generations
+* :mod:`.schedule`    γ as a function of the context a generation has reached; the one best-γ choice
 * :mod:`.gamma`       adaptive γ's controller
-* :mod:`.calibrate`   micro-benchmarks on the real model and a fitted roofline
-* :mod:`.cli`         ``hf-magicdec plan``
+* :mod:`.selection`   the selection cost of query-aware views
+
+Calibration (timing the engine, the fit, its cache) is :mod:`hf_magicdec.calibration`; the
+planner takes its result as ``search_plan(..., calibration=)`` and never imports it.
 
 See ``docs/cost_model.md`` for the formulas and assumptions.
 """
@@ -31,7 +34,7 @@ from .acceptance import default_acceptance, resolve_acceptance
 from .hardware import HARDWARE_PRESETS, HardwareSpec, get_hardware
 from .modelspec import ModelSpec
 from .memory import forget_acceptance, observed_acceptance, record_acceptance
-from .search import Plan, search_plan
+from .search import Plan, SearchSpace, Workload, search_plan
 from .roofline import StepCost, draft_step, draft_steps, forward_cost, target_step, verify_step
 from .speculation import Estimate, critical_length, estimate, omega, speedup
 
@@ -41,6 +44,7 @@ __all__ = [
     "HardwareSpec",
     "ModelSpec",
     "Plan",
+    "SearchSpace",
     "StepCost",
     "critical_length",
     "default_acceptance",
@@ -58,4 +62,5 @@ __all__ = [
     "speedup",
     "target_step",
     "verify_step",
+    "Workload",
 ]

@@ -15,51 +15,24 @@ __all__ = ["default_acceptance", "resolve_acceptance", "BASE_ACCEPTANCE", "DRAFT
            "DRAFT_MODEL_PREFIX", "QUANTIZED_ACCEPTANCE_DROP", "VERIFIED_PROMPT_LEAD", "VERIFIED_WRITTEN_SHARE",
            "WEIGHTS_SEPARATOR"]
 
-#: α at a budget of 256 tokens or more and a context of 4K tokens or less. ``verified`` (the view
-#: chosen by the verify pass's attention) earns its lead where the generation wrote much of the
-#: context (a choice made at prefill goes stale; the verifier's follows): 0.986 (SnapKV 0.863,
-#: StreamingLLM 0.924) at 8 × 256-token prompts with 512 new tokens, budget 128, and 0.976 (SnapKV
-#: 0.815) at 8 × 256 → 1,024, budget 256 (SmolLM2-135M on Shakespeare, scripts/view_acceptance.py,
-#: docs/benchmarks.md). Where the context is the prompt it was level with SnapKV: with int8 draft
-#: weights at budget 256 and 128 new tokens, 0.912 vs 0.884 at 8 × 1K, 0.892 vs 0.928 at 8 × 2K,
-#: 0.797 vs 0.801 over four batches of 8 × 4K, 0.897 vs 0.858 at 8 × 7,936 (at budget 128 and
-#: 8 × 1K it led, 0.818 vs 0.697: a prior on the share alone misses that). Those prompt-only figures
-#: predate ``verified`` choosing from the first verification; since then it leads SnapKV there too
-#: (over eight batches, budget 256: 0.889 vs 0.836 at 8 × 4K fp16, 0.883 vs 0.829 over eight more,
-#: 0.836 vs 0.787 int8, 0.819 vs 0.747 at 8 × 2K fp16; docs/benchmarks.md, "Choosing from the first
-#: verification"). So its prior is SnapKV's plus :data:`VERIFIED_PROMPT_LEAD` where the context is
-#: the prompt, 0.93 once the generation wrote :data:`VERIFIED_WRITTEN_SHARE` of the context or more,
-#: in proportion between (see :func:`default_acceptance`).
+#: α at a budget ≥ 256 and a context ≤ 4K (SmolLM2-135M on Shakespeare;
+#: docs/cost_model.md, "Where the constants come from").
 BASE_ACCEPTANCE = {"streamingllm": 0.80, "snapkv": 0.85, "verified": 0.93}
-#: ``verified``'s lead over SnapKV where the context is all prompt, as measured there: 0.05 at 8 × 4K
-#: with either weight format, 0.07 at 8 × 2K, 0.04 at 8 × 7,936 with γ adapted (where it took 7 % less
-#: decode time over four batches, more than at 4K).
+#: ``verified``'s lead over SnapKV where the context is all prompt (measured 0.04-0.07; same source).
 VERIFIED_PROMPT_LEAD = 0.05
 _OTHER = 0.80  # views without their own prior (user-registered ones)
-#: Share of the context written by the generation from which ``verified`` gets its full prior. Nothing
-#: was measured between a few per cent (the prompt's lead) and a half (the full lead); a quarter keeps
-#: the choice measured right at 8 × 256 → 512 (``verified`` 1.43x plain decoding, SnapKV 1.16x),
-#: which a half would hand to SnapKV.
+#: Share of the context written by the generation from which ``verified`` gets its full prior (same source).
 VERIFIED_WRITTEN_SHARE = 0.25
-#: α of a separate small draft model with its full cache (``draft="model:full"``): a prior for a
-#: same-family model about 3x smaller (Qwen2.5-Coder-0.5B drafting for 1.5B measured 0.80 at 4K and
-#: 0.64 at 16K on Shakespeare, docs/benchmarks.md). A compressed draft-model view scales it by the
-#: view's own prior / 0.99.
+#: α of a separate draft model ~3x smaller with its full cache (Qwen2.5-Coder-0.5B for 1.5B; same source).
 DRAFT_MODEL_ACCEPTANCE = 0.70
 DRAFT_MODEL_PREFIX = "model:"
-#: A self-draft reading quantized copies of the linear layers (``"snapkv@int8"``) drafts from slightly
-#: perturbed logits. Prior drop of α against the full-weight draft, as measured on SmolLM2-135M,
-#: batch 8, SnapKV, γ = 3 (docs/benchmarks.md): CPU int8 (per-channel weights, activations quantized
-#: per call to 7 bits, about 2e-2 relative error per layer) lost 0.054-0.075 at 2K-4K; fp16 weights
-#: (2e-4 relative) lost nothing measurable; int4 (weight-only, GPU) is not measured yet and
-#: assumed worse than int8. Replaced by the measured α after the first generation, as for every view.
+#: Prior drop of α of a self-draft on quantized linear layers (SmolLM2-135M, batch 8, SnapKV; same source).
 QUANTIZED_ACCEPTANCE_DROP = {"int8": 0.06, "fp16": 0.0, "int4": 0.10}
 WEIGHTS_SEPARATOR = "@"
 _REF_BUDGET = 256
 _REF_CONTEXT = 4096
 _PER_BUDGET_HALVING = 0.05
-# MagicDec §4: StreamingLLM-512 self-speculation on Llama-3.1-8B drops 0.84 → 0.79 from 4K to 64K
-# context, i.e. about 0.0125 per doubling.
+# MagicDec §4: StreamingLLM-512 on Llama-3.1-8B drops 0.84 → 0.79 from 4K to 64K context.
 _PER_CONTEXT_DOUBLING = 0.0125
 _FLOOR, _CEIL = 0.05, 0.99
 

@@ -5,37 +5,60 @@ from __future__ import annotations
 
 from .schedule import StepModel, best_gamma
 
-__all__ = ["GammaController"]
+__all__ = ["CostProbe", "GammaController"]
 
+# Why each value: docs/cost_model.md, "Where the constants come from".
 #: Drafted tokens' worth of confidence in the prior when blending it with what was observed.
 PRIOR_WEIGHT = 32
-#: A schedule measures the acceptance rather than assume it: until PROBE_TOKENS tokens were drafted,
-#: where the blended α keeps speculation off, γ is chosen from the acceptance observed so far
-#: blended with an optimistic PROBE_ALPHA instead of the prior (at the prior's weight), so that a
-#: prior that is too low cannot keep speculation off all call long without ever seeing evidence
-#: against itself, and one unlucky first step (a sampled 11 of 16 drafted tokens, where the call
-#: went on to accept 0.94) does not end the probe. A probe that does not pay costs a step or two:
-#: nothing accepted then says off too.
+#: A schedule probes: until PROBE_TOKENS tokens were drafted, where the blended α keeps speculation
+#: off, γ is chosen from the acceptance observed blended with an optimistic PROBE_ALPHA instead.
 PROBE_ALPHA = 0.95
 PROBE_TOKENS = 4 * PRIOR_WEIGHT
-#: A schedule that is given the steps' wall times checks the cost model against them: its first
-#: PLAIN_PROBE_STEPS steps decode plainly (the first of each kind is a warm-up, not counted), and
-#: from then on a speculative step's predicted cost is scaled by what this call measured, (plain
-#: measured / predicted) / (speculative measured / predicted), blended in with COST_PRIOR_STEPS
-#: speculative steps' worth of confidence in the model. Where the model's step ratios are off for
-#: this machine and workload (an uncalibrated device, logits processors priced at every verified
-#: position: SmolLM2-135M, batch 2, repetition penalty and n-gram blocking decoded 0.79x the static
-#: cache on 2 CPU cores with γ 1-2 kept on), speculation then turns off where it does not pay.
+#: A schedule given step times decodes its first PLAIN_PROBE_STEPS steps plainly, then scales the
+#: speculative cost by what it measured (:class:`CostProbe`), at COST_PRIOR_STEPS steps' confidence.
 PLAIN_PROBE_STEPS = 3
 COST_PRIOR_STEPS = 2
-#: Evidence goes stale: acceptance changes along a generation (a chat turn that starts hesitant and
-#: settles into 0.99) and nothing is measured while γ = 0. So a schedule that turned speculation off
-#: on what it observed (not because the context is still too short: the model at PROBE_ALPHA would
-#: still speculate) speculates again for REPROBE_STEPS steps after REPROBE_AFTER plain steps, and
-#: after twice as many each time a re-probe ends off again: where off is right, the re-probes cost a
-#: few steps per doubling (under 1 % of an 800-step call); where it was wrong, the call resumes.
+#: Off on evidence, a schedule speculates again for REPROBE_STEPS steps after REPROBE_AFTER plain
+#: steps, and after twice as many each time a re-probe ends off again.
 REPROBE_AFTER = 16
 REPROBE_STEPS = 4
+
+
+class CostProbe:
+    """The cost model checked against this call's step times: a schedule's first
+    :data:`PLAIN_PROBE_STEPS` steps decode plainly, and from then on :attr:`factor` scales the
+    speculative steps' predicted cost by what was measured. The first step of each kind pays
+    one-time costs and is not counted."""
+
+    def __init__(self) -> None:
+        self.steps = {False: 0, True: 0}  # plain (False) and speculative (True) steps seen
+        # Of those after the first: measured and predicted seconds, and (speculative only) their number.
+        self._plain = [0.0, 0.0]
+        self._speculative = [0.0, 0.0, 0]
+
+    @property
+    def timing_plain(self) -> bool:
+        """Whether the next step is one of the first plain steps, which time the plain cost."""
+        return self.steps[False] < PLAIN_PROBE_STEPS
+
+    def record(self, speculative: bool, seconds: float, predicted: float) -> None:
+        self.steps[speculative] += 1
+        if self.steps[speculative] > 1:
+            times = self._speculative if speculative else self._plain
+            times[0] += seconds
+            times[1] += predicted
+            if speculative:
+                times[2] += 1
+
+    @property
+    def factor(self) -> float:
+        """How much cheaper speculation is against plain decoding than the cost model says
+        (1.0 until both kinds of step were measured): (plain measured / predicted) / (speculative
+        measured / predicted), shrunk towards 1 by :data:`COST_PRIOR_STEPS`."""
+        (plain, plain_model), (spec, spec_model, n) = self._plain, self._speculative
+        if not (plain > 0 and spec > 0 and plain_model > 0 and spec_model > 0):
+            return 1.0
+        return ((plain / plain_model) / (spec / spec_model)) ** (n / (n + COST_PRIOR_STEPS))
 
 
 class GammaController:
@@ -65,8 +88,8 @@ class GammaController:
         (:data:`REPROBE_AFTER`).
     measure_costs : bool
         With ``step_model`` and ``allow_off``: :meth:`update` is given each step's wall time, and
-        the switch between plain and speculative steps follows the measured costs
-        (:data:`PLAIN_PROBE_STEPS`, :attr:`cost_factor`).
+        the switch between plain and speculative steps follows the measured costs (a
+        :class:`CostProbe`, :attr:`cost_factor`).
     """
 
     def __init__(self, gamma: int, max_gamma: int, alpha: float, draft_ratio: float | None = None,
@@ -83,11 +106,7 @@ class GammaController:
         self.allow_off = allow_off
         self.accepted = 0
         self.drafted = 0
-        self.measure_costs = measure_costs and step_model is not None and allow_off
-        # Plain (False) and speculative (True) steps: steps seen, and of those after the first,
-        # [measured seconds, predicted seconds, steps].
-        self._seen = {False: 0, True: 0}
-        self._times = {False: [0.0, 0.0, 0], True: [0.0, 0.0, 0]}
+        self.probe = CostProbe() if measure_costs and step_model is not None and allow_off else None
         self._at: tuple[int, int] | None = None  # (batch, context) the last γ was chosen for
         # Re-probes: plain steps decided on evidence since speculation last ran, the number that
         # triggers the next re-probe, and the speculative steps the running re-probe has left.
@@ -100,15 +119,13 @@ class GammaController:
         return (self.accepted + PRIOR_WEIGHT * self.prior) / (self.drafted + PRIOR_WEIGHT)
 
     @property
+    def measure_costs(self) -> bool:
+        return self.probe is not None
+
+    @property
     def cost_factor(self) -> float:
-        """How much cheaper speculation is against plain decoding than the cost model says, from
-        this call's step times (1.0 until both kinds of step were measured): (plain measured /
-        predicted) / (speculative measured / predicted), shrunk towards 1 by
-        :data:`COST_PRIOR_STEPS`."""
-        (plain, plain_model, _), (spec, spec_model, n) = self._times[False], self._times[True]
-        if not (plain > 0 and spec > 0 and plain_model > 0 and spec_model > 0):
-            return 1.0
-        return ((plain / plain_model) / (spec / spec_model)) ** (n / (n + COST_PRIOR_STEPS))
+        """:attr:`CostProbe.factor` (1.0 without a probe)."""
+        return self.probe.factor if self.probe is not None else 1.0
 
     def _record(self, seconds: float) -> None:
         """The step just run (at ``self.gamma``, chosen for ``self._at``) took ``seconds``."""
@@ -118,14 +135,7 @@ class GammaController:
         tt, draft_ratio, verify_ratio = step_model.ratios(*self._at)
         if gamma and gamma not in verify_ratio:
             return
-        predicted = tt if not gamma else tt * (gamma * draft_ratio + verify_ratio[gamma])
-        kind = gamma > 0
-        self._seen[kind] += 1
-        if self._seen[kind] > 1:  # the first step of each kind pays one-time costs
-            times = self._times[kind]
-            times[0] += seconds
-            times[1] += predicted
-            times[2] += 1
+        self.probe.record(gamma > 0, seconds, tt if not gamma else tt * (gamma * draft_ratio + verify_ratio[gamma]))
 
     def update(self, accepted: int, drafted: int, batch: int | None = None, context: int | None = None,
                seconds: float | None = None) -> int:
@@ -148,7 +158,7 @@ class GammaController:
         verify_ratio = {g: v for g, v in verify_ratio.items() if g <= self.max_gamma}
         model = draft_ratio, verify_ratio
         if self.measure_costs:
-            if self._seen[False] < PLAIN_PROBE_STEPS:  # time plain steps first
+            if self.probe.timing_plain:  # time plain steps first
                 self.gamma = 0
                 return 0
             factor = self.cost_factor

@@ -2,7 +2,7 @@
 
 Presets use vendor datasheet numbers for dense (non-sparse) tensor-core math, per GPU. They are
 *peaks*: a pure roofline built on them is optimistic (MagicDec §3 notes the roofline predicts 2–3×
-where 1.2–2.5× was measured), which is why :mod:`hf_magicdec.planner.calibrate` replaces
+where 1.2–2.5× was measured), which is why :mod:`hf_magicdec.calibration` replaces
 them with effective values fitted on the real device. The ``"cpu"`` preset is only a placeholder
 of the right order of magnitude for a few-core x86 machine; calibrate before trusting it.
 """
@@ -64,7 +64,7 @@ class HardwareSpec:
     overlap : bool
         True (roofline): an op group costs ``max(compute, memory)``, the two overlap perfectly,
         as on GPUs. False: ``compute + memory``, which describes small CPU matmuls better (see
-        :mod:`~hf_magicdec.planner.calibrate`, which picks whichever fits the device).
+        :mod:`~hf_magicdec.calibration.fit`, which picks whichever fits the device).
     fused_mass : bool
         Whether the verify attention emits the attention mass per page (the ``verified`` view's
         choice) inside its fused kernel (the Triton kernel, on CUDA): then it costs a few bytes per

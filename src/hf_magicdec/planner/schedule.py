@@ -18,7 +18,7 @@ from .hardware import HardwareSpec
 from .modelspec import ModelSpec
 from .roofline import draft_step, target_step, verify_step
 from .selection import choice_seconds, selection_seconds
-from .speculation import omega
+from .speculation import best_gamma_of, omega
 
 __all__ = ["CONTEXT_POINTS", "SWITCH_MARGIN", "StepModel", "best_gamma", "context_points", "scheduled_speedup"]
 
@@ -42,12 +42,8 @@ def best_gamma(alpha: float, draft_ratio: float, verify_ratio: dict[int, float],
     ``current`` (None: no hysteresis)."""
     alpha = min(alpha, 0.999)
     values = {g: omega(g, alpha) / (g * draft_ratio + verify_ratio[g]) for g in verify_ratio}
-    gamma = max(values, key=values.get)
-    if allow_off:
-        threshold = 1.0 if current is None else (1.0 + SWITCH_MARGIN if current == 0 else 1.0 - SWITCH_MARGIN)
-        if values[gamma] < threshold:
-            return 0, 1.0
-    return gamma, values[gamma]
+    threshold = 1.0 if current is None else (1.0 + SWITCH_MARGIN if current == 0 else 1.0 - SWITCH_MARGIN)
+    return best_gamma_of(values, threshold if allow_off else None)
 
 
 @dataclass(frozen=True)
@@ -82,9 +78,9 @@ class StepModel:
             held = min(self.budget, ctx)  # a view larger than the context holds the context
             td = draft_step(self.drafter, hw, batch, ctx, held).seconds
             td += selection_seconds(self.drafter, hw, batch, ctx, self.budget, self.view)
-            hit = self._memo[key] = (tt, td / tt, {
+            hit = self._memo[key] = (tt, td / tt, {  # T_V and the verifier's choice, per verification
                 g: (verify_step(self.spec, hw, batch, ctx, g).seconds
-                    + choice_seconds(self.drafter, hw, batch, ctx, self.budget, self.view, g + 1)) / tt  # per verification
+                    + choice_seconds(self.drafter, hw, batch, ctx, self.budget, self.view, g + 1)) / tt
                 for g in self.gammas})
         return hit
 

@@ -22,7 +22,7 @@ from .modelspec import ModelSpec
 from .roofline import draft_steps, target_step, verify_step
 from .selection import choice_seconds, selection_seconds
 
-__all__ = ["omega", "speedup", "Estimate", "estimate", "critical_length"]
+__all__ = ["omega", "speedup", "best_gamma_of", "Estimate", "estimate", "critical_length"]
 
 
 def omega(gamma: int, alpha: float) -> float:
@@ -88,6 +88,17 @@ def speedup(gamma: int, alpha: float, t_target: float, t_draft_total: float, t_v
     if not t_draft_total >= 0:
         raise ValueError(f"t_draft_total must be >= 0 seconds, got {t_draft_total!r}.")
     return omega(gamma, alpha) * t_target / (t_draft_total + t_verify)
+
+
+def best_gamma_of(speedups: dict[int, float], off_below: float | None = None) -> tuple[int, float]:
+    """``(γ, speedup)`` of the largest predicted speedup in ``{γ: speedup}`` (the first such γ on a
+    tie); ``(0, 1.0)``, plain decoding, where that is below ``off_below`` (None: never). The one
+    best-γ choice: the step-time schedule's (:func:`.schedule.best_gamma`) and
+    :func:`critical_length`'s."""
+    gamma = max(speedups, key=speedups.get)
+    if off_below is not None and speedups[gamma] < off_below:
+        return 0, 1.0
+    return gamma, speedups[gamma]
 
 
 @dataclass(frozen=True)
@@ -179,18 +190,13 @@ def estimate(model: ModelSpec, hardware: HardwareSpec, *, batch: int, context: i
     tt = target_step(model, hardware, batch, context).seconds if t_target is None else t_target
     drafter = model if draft_model_spec is None else draft_model_spec
     td_total = draft_steps(drafter, hardware, batch, context, budget, gamma)
-    td_total += gamma * selection_seconds(drafter, hardware, batch, context, budget, draft)  # query-aware views (dynamic) re-select every step
+    # Query-aware views (dynamic) re-select every step; views chosen by the verifier (verified) pay at verification.
+    td_total += gamma * selection_seconds(drafter, hardware, batch, context, budget, draft)
     tv = verify_step(model, hardware, batch, context, gamma).seconds
-    tv += choice_seconds(drafter, hardware, batch, context, budget, draft, gamma + 1)  # views chosen by the verifier (verified)
-    return Estimate(view_name, budget, gamma, alpha, omega(gamma, alpha), tt, td_total / gamma, tv,
-                    speedup(gamma, alpha, tt, td_total, tv), None if draft_model is None else draft_model.name,
-                    draft_weights)
-
-
-def _best(model, hardware, batch, context, draft, budget, gammas, acceptance) -> float:
-    tt = target_step(model, hardware, batch, context).seconds
-    return max(estimate(model, hardware, batch=batch, context=context, draft=draft, budget=budget, gamma=g,
-                        acceptance=acceptance, t_target=tt).speedup for g in gammas)
+    tv += choice_seconds(drafter, hardware, batch, context, budget, draft, gamma + 1)
+    return Estimate(draft=view_name, draft_budget=budget, gamma=gamma, acceptance=alpha, omega=omega(gamma, alpha),
+                    t_target=tt, t_draft=td_total / gamma, t_verify=tv, speedup=speedup(gamma, alpha, tt, td_total, tv),
+                    draft_model=None if draft_model is None else draft_model.name, draft_weights=draft_weights)
 
 
 def critical_length(model: ModelSpec, hardware: HardwareSpec, batch: int, *, draft: Any = "streamingllm",
@@ -228,8 +234,10 @@ def critical_length(model: ModelSpec, hardware: HardwareSpec, batch: int, *, dra
     if not gammas:
         raise ValueError("gammas must not be empty.")
 
-    def pays(s: int) -> bool:
-        return _best(model, hardware, batch, s, draft, budget, gammas, acceptance) >= threshold
+    def pays(s: int) -> bool:  # at the best γ
+        tt = target_step(model, hardware, batch, s).seconds
+        return best_gamma_of({g: estimate(model, hardware, batch=batch, context=s, draft=draft, budget=budget, gamma=g,
+                                          acceptance=acceptance, t_target=tt).speedup for g in gammas})[1] >= threshold
 
     low = budget + 1
     if pays(low):

@@ -29,7 +29,7 @@ from typing import Any, Callable
 import torch
 import transformers
 from hf_magicdec import __version__
-from hf_magicdec.planner.calibrate import cpu_name
+from hf_magicdec.calibration import cpu_name
 from torch.nn.modules.module import register_module_forward_pre_hook
 from transformers import PreTrainedModel
 from transformers.generation.streamers import BaseStreamer

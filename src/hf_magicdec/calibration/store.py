@@ -1,16 +1,14 @@
 """Calibration records and their store: what the fit reads and returns, and where a result is
-kept on disk. Torch-free, like the rest of the cost model.
+kept on disk.
 
-* :class:`Measurement`, :class:`StepTimes`  timed forwards (as :mod:`hf_magicdec.calibration`
-  measures them),
-* :class:`Fit`  fitted effective rates (what :func:`hf_magicdec.planner.calibrate.fit` returns),
+* :class:`Measurement`, :class:`StepTimes`  timed forwards (as :mod:`.steps` measures them),
+* :class:`Fit`  fitted effective rates (what :func:`hf_magicdec.calibration.fit.fit` returns),
 * :class:`Calibration`  a fit with its model, device, dtype and measurements; JSON save/load,
 * :func:`cache_root`, :func:`calibration_path`, :func:`device_key`, :func:`cpu_name`,
   :func:`load_calibration`  the cache: one JSON file per model, device and dtype under
   ``cache_root() / "calibration"``.
 
-Only :func:`device_key` imports torch (inside the function), to name the device. The names are
-re-exported by :mod:`hf_magicdec.planner.calibrate`.
+Only :func:`device_key` uses torch, to name the device.
 """
 
 from __future__ import annotations
@@ -24,11 +22,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
+import torch
+
 from ..notices import notice
-from ._checks import check_number
-from .hardware import HardwareSpec, get_hardware
-from .modelspec import ModelSpec
-from .roofline import forward_cost
+from ..planner._checks import check_number
+from ..planner.hardware import HardwareSpec, get_hardware
+from ..planner.modelspec import ModelSpec
+from ..planner.roofline import forward_cost
 
 __all__ = [
     "Calibration",
@@ -77,8 +77,8 @@ class Measurement:
 
     def predict(self, model: ModelSpec, hardware: HardwareSpec) -> float:
         """Roofline prediction of this forward on ``hardware``, seconds."""
-        return forward_cost(model.with_weights(self.weights), hardware, batch=self.batch, query_tokens=self.query_tokens,
-                            kv_tokens=self.kv_tokens, logit_tokens=self.logit_tokens).seconds
+        return forward_cost(model.with_weights(self.weights), hardware, batch=self.batch,
+                            query_tokens=self.query_tokens, kv_tokens=self.kv_tokens, logit_tokens=self.logit_tokens).seconds
 
 
 @dataclass(frozen=True)
@@ -156,7 +156,7 @@ class Calibration:
         excluded).
     outliers : tuple[int, ...]
         Indices of measurements the fit left out (see
-        :func:`~hf_magicdec.planner.calibrate.fit`).
+        :func:`~hf_magicdec.calibration.fit.fit`).
     wall_seconds : float
         Duration of the calibration run, seconds.
     created : str
@@ -259,7 +259,7 @@ class Calibration:
 
 @dataclass(frozen=True)
 class Fit:
-    """Result of :func:`~hf_magicdec.planner.calibrate.fit`.
+    """Result of :func:`~hf_magicdec.calibration.fit.fit`.
 
     Attributes
     ----------
@@ -329,8 +329,6 @@ def device_key(device: Any = "cpu") -> str:
         ``"cpu-<model name>-<threads>t"`` (torch's intra-op threads, which change CPU timings as
         much as the chip does) or ``"cuda-<device name>"``.
     """
-    import torch
-
     device = torch.device(device)
     if device.type == "cuda":
         return _slug(f"cuda-{torch.cuda.get_device_name(device)}")

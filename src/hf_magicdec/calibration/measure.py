@@ -1,0 +1,196 @@
+"""Calibrate the planner on the real model: measure step times at a few operating points and fit
+the roofline to them (cached as JSON beside other calibrations)."""
+
+from __future__ import annotations
+
+import datetime
+import os
+import platform
+import time
+import warnings
+from typing import Any, Iterable
+
+import torch
+import transformers
+
+from ..engine.draft_weights import feasible_formats
+from ..planner._checks import check_int
+from ..planner.hardware import HardwareSpec
+from ..planner.modelspec import ModelSpec
+from .fit import fit, fit_quantized
+from .steps import measure_steps
+from .store import Calibration, Measurement, calibration_path, device_key
+
+__all__ = ["calibrate", "DEFAULT_POINTS"]
+
+#: ``(batch, context)`` points of a default calibration. Small contexts and batches keep a run
+#: short on a CPU; together they separate the per-forward overhead (batch 1, short context), the
+#: weight-read bandwidth (1-token steps), the KV-read bandwidth (batch 8 × 2048) and the FLOP
+#: rate (5-token verification of 8 rows).
+DEFAULT_POINTS: tuple[tuple[int, int], ...] = ((1, 256), (1, 2048), (4, 1024), (8, 256), (8, 2048))
+DEFAULT_GAMMAS = (1, 4)
+DEFAULT_BUDGETS = (64, 256)
+
+
+def _cpu_busy(interval: float = 0.25) -> float:
+    """Fraction of all CPUs busy over ``interval`` seconds while we wait (other processes' load).
+
+    Read from ``/proc/stat``; elsewhere the 1-minute load average per CPU stands in (it lags).
+    """
+
+    def sample() -> tuple[int, int]:
+        with open("/proc/stat", encoding="utf-8") as fh:
+            values = [int(v) for v in fh.readline().split()[1:]]
+        return values[3] + (values[4] if len(values) > 4 else 0), sum(values)  # idle + iowait, total
+
+    try:
+        idle0, total0 = sample()
+        time.sleep(interval)
+        idle1, total1 = sample()
+        return 1.0 - (idle1 - idle0) / max(1, total1 - total0)
+    except (OSError, ValueError, IndexError):
+        try:
+            return min(1.0, os.getloadavg()[0] / (os.cpu_count() or 1))
+        except (AttributeError, OSError):
+            return 0.0
+
+
+def _versions() -> dict[str, str]:
+    return {"torch": torch.__version__, "transformers": transformers.__version__,
+            "python": platform.python_version(), "threads": str(torch.get_num_threads())}
+
+
+def calibrate(
+    model: Any,
+    *,
+    name: str | None = None,
+    points: Iterable[tuple[int, int]] = DEFAULT_POINTS,
+    gammas: Iterable[int] = DEFAULT_GAMMAS,
+    budgets: Iterable[int] = DEFAULT_BUDGETS,
+    repeats: int = 5,
+    passes: int = 2,
+    statistic: str = "min",
+    base: HardwareSpec | str = "cpu",
+    form: str = "auto",
+    cache: bool = True,
+    force: bool = False,
+    cache_dir: str | os.PathLike | None = None,
+    progress: Any = None,
+    draft_weights: Iterable[str] | None = None,
+) -> Calibration:
+    """Measure the model's step times on its device and fit the roofline to them.
+
+    Parameters
+    ----------
+    model : transformers.PreTrainedModel
+        On its device, in the dtype to calibrate.
+    name : str, optional
+        Name for the cache file (default ``model.config._name_or_path``).
+    points : iterable of (batch, context)
+        Operating points; each costs one cache fill and ``(1 + len(gammas) + len(budgets)) ·
+        (1 + repeats)`` forwards.
+    gammas, budgets :
+        Verification sizes and draft budgets timed at every point (budgets ≥ context are
+        skipped there).
+    repeats : int
+        Timed runs per forward.
+    passes : int
+        Times the whole list of points is measured; each forward keeps its best pass. A burst of
+        other work then has to hit the same forward in every pass to bend the fit.
+    statistic : str
+        ``"min"`` (default: robust to other processes) or ``"median"`` over the repeats.
+    base : HardwareSpec or str
+        Preset to start the fit from (``"cpu"`` for CPUs, e.g. ``"h100"`` on an H100).
+    form : str
+        ``"auto"``, ``"max"`` (roofline) or ``"sum"`` (no compute/memory overlap), see :func:`.fit.fit`.
+    cache : bool
+        Read and write the JSON cache.
+    force : bool
+        Measure again even if a cached calibration exists.
+    cache_dir : path-like, optional
+        Root of the cache (see :func:`~.store.cache_root`).
+    progress : callable, optional
+        Called with one line of text per measured point.
+    draft_weights : iterable of str, optional
+        Quantized draft formats whose draft steps are timed too, to fit their kernels' effective
+        rate (``Calibration.quantized_flops``, used when the planner weighs ``draft_weights``).
+        Default: every format the device has a kernel for and the model can use.
+
+    Returns
+    -------
+    Calibration
+
+    Examples
+    --------
+    >>> cal = calibrate(model, name="smollm2-135m")          # doctest: +SKIP
+    >>> plan(model.config, ..., hardware="cpu", calibration=cal)  # doctest: +SKIP
+    """
+    param = next(model.parameters())
+    spec = ModelSpec.from_config(model.config, dtype=param.dtype)
+    name = name or getattr(model.config, "_name_or_path", None) or spec.name
+    device = device_key(param.device)
+    path = calibration_path(name, spec, device, spec.dtype, cache_dir)
+    if cache and not force and path.is_file():
+        try:
+            return Calibration.load(path)
+        except (OSError, ValueError, KeyError, TypeError):
+            pass  # stale: measure again
+    gammas, budgets, points = tuple(gammas), tuple(budgets), tuple(points)
+    check_int("passes", passes)
+    if not points:
+        raise ValueError("points must not be empty.")
+    busy_before = _cpu_busy()
+    if param.device.type == "cpu" and busy_before > 0.5:
+        warnings.warn(f"calibrating while the machine is busy ({busy_before:.0%} of the CPUs in use by other "
+                      "processes): timings will include their work", RuntimeWarning, stacklevel=2)
+    t0 = time.perf_counter()
+    # The first forwards of a process pay for allocator growth and thread-pool start-up.
+    measure_steps(model, 1, 128, gammas=(1,), budgets=(64,), repeats=1)
+    formats = tuple(draft_weights) if draft_weights is not None else feasible_formats(model, param.device)
+    best: dict[tuple, Measurement] = {}
+    for _ in range(passes):
+        for batch, context in points:
+            _measure_point(model, batch, context, gammas, budgets, repeats, statistic, formats, best, progress)
+    result = _fitted(name, spec, device, list(best.values()), base, form, t0, busy_before)
+    if cache:
+        result.save(path)
+    return result
+
+
+def _fitted(name: str, spec: ModelSpec, device: str, measurements: list[Measurement], base, form: str, t0: float,
+            busy_before: float) -> Calibration:
+    """The calibration of ``measurements``: the full-precision forwards fitted, then the quantized
+    drafts' rates with the others fixed."""
+    full = [m for m in measurements if m.weights == "full"]
+    fitted = fit(spec, full, base, form=form)
+    quantized = fit_quantized(spec, measurements, fitted.hardware(base, spec.dtype))
+    return Calibration(
+        model=name, spec=spec, device=device, dtype=spec.dtype, bandwidth=fitted.bandwidth, flops=fitted.flops,
+        overhead=fitted.overhead, overlap=fitted.overlap, measurements=tuple(measurements),
+        rel_rms_error=fitted.rel_rms_error, outliers=tuple(measurements.index(full[i]) for i in fitted.outliers),
+        wall_seconds=time.perf_counter() - t0, quantized_flops=quantized,
+        created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        versions={**_versions(), "cpu_busy_before": f"{busy_before:.2f}"},
+    )
+
+
+def _measure_point(model, batch: int, context: int, gammas, budgets, repeats: int, statistic: str, formats,
+                   best: dict, progress) -> None:
+    """Time one operating point (every quantized format's draft too) and keep, per forward, the
+    fastest measurement of all passes in ``best``."""
+    usable = tuple(k for k in budgets if k < context) or (min(budgets),)
+    timed = [measure_steps(model, batch, context, gammas=gammas, budgets=usable, repeats=repeats,
+                           statistic=statistic, draft_weights=formats[0] if formats else "full")]
+    timed += [measure_steps(model, batch, context, gammas=(1,), budgets=usable, repeats=repeats,
+                            statistic=statistic, draft_weights=fmt) for fmt in formats[1:]]
+    for m in (m for t in timed for m in t.measurements()):
+        key = (m.kind, m.batch, m.query_tokens, m.kv_tokens, m.logit_tokens, m.weights)
+        if key not in best or m.seconds < best[key].seconds:
+            best[key] = m
+    if progress is not None:
+        steps = timed[0]
+        progress(f"  B={batch:<3} S={context:<6} T_T={steps.t_target * 1e3:8.2f} ms  "
+                 + "  ".join(f"T_V(g={g})={t * 1e3:.2f} ms" for g, t in steps.t_verify.items()) + "  "
+                 + "  ".join(f"T_D(K={k})={t * 1e3:.2f} ms" for k, t in steps.t_draft.items())
+                 + "".join(f"  T_D(K={k}, {t.draft_weights})={v * 1e3:.2f} ms"
+                           for t in timed for k, v in t.t_draft_quantized.items()))
