@@ -32,8 +32,8 @@ What it measures (issue 5's targets, Llama-3.1-8B shape in bf16):
 * end to end (``--e2e``, default batch 32 × 32K, 128 new tokens): MagicDec's decode time against
   stock ``generate(cache_implementation="static")``, which transformers compiles on CUDA, same
   inputs, same run, and whether the greedy tokens are identical (target ≥ 1.5×);
-* issue 26: the verify kernel's attention mass per page (``draft="verified"``) against the twin
-  and its cost beside the plain verify kernel; ``snapkv`` against ``verified`` at 8 × 4K → 128 and a
+* issue 26: the verify kernel's attention mass per page (``draft="attended"``) against the twin
+  and its cost beside the plain verify kernel; ``snapkv`` against ``attended`` at 8 × 4K → 128 and a
   long generation (16 × 256 → 1,024) against the static cache (:func:`views_and_long_generation`).
 
 ``--stages`` runs a subset (``kernel``, ``issue26``, ``ratios``, ``e2e``; the correctness checks
@@ -140,7 +140,7 @@ def check_correctness(device, smoke: bool) -> list[dict]:
 
 
 def _mass_correctness(device, dtype, smoke: bool, gen) -> list[dict]:
-    """The verify kernel's attention mass per page (``page_size=``, what ``draft="verified"``
+    """The verify kernel's attention mass per page (``page_size=``, what ``draft="attended"``
     chooses from) against the fp32 twin's: output and mass, causal verify segments, left padding."""
     shapes = [(2, 4, 2, 4, 64, 301)] if smoke else [(8, 4, 8, 4, 128, 4099), (4, 7, 4, 5, 128, 32771)]
     rows = []
@@ -187,7 +187,7 @@ def kernel_timings(device, batch, context, kv_heads, group, head_dim, dtype, cop
             "stock_sdpa": (lambda: F.scaled_dot_product_attention(query, k, v, enable_gqa=True)) if q_len == 1 else
                           (lambda: F.scaled_dot_product_attention(query, k, v, attn_mask=mask, enable_gqa=True)),
         }
-        if q_len > 1:  # issue 26: the verify pass emitting the mass per 16-key page (draft="verified")
+        if q_len > 1:  # issue 26: the verify pass emitting the mass per 16-key page (draft="attended")
             paths["triton_mass16"] = lambda: kernels._triton().segment_attention(query, k, v, seg, head_dim**-0.5,
                                                                                  page_size=16)
         for name, fn in paths.items():
@@ -407,9 +407,9 @@ def views_and_long_generation(name, layers, device, dtype, smoke, budget: Budget
     text; the step costs and the token identity do):
 
     * long prompt (8 x 4K -> 128, budget 256, γ 3, eager, ``HF_MAGICDEC_PROFILE=1``): ``snapkv``
-      against ``verified``, whose choices (the per-layer gathers after a verification) are the
+      against ``attended``, whose choices (the per-layer gathers after a verification) are the
       "other" seconds beyond draft and verify; tokens against plain decoding on our cache (γ 0);
-    * long generation (16 x 256 -> 1024, EOS ignored): ``verified`` γ 3 eager, stock
+    * long generation (16 x 256 -> 1024, EOS ignored): ``attended`` γ 3 eager, stock
       ``generate(cache_implementation="static")`` (transformers compiles it on CUDA) and MagicDec
       γ = 0 with ``compile=True`` (the cost of starting on our own cache), same prompts; decode
       seconds from a streamer, after one warm-up call each (compilation, allocator). The default
@@ -424,10 +424,10 @@ def views_and_long_generation(name, layers, device, dtype, smoke, budget: Budget
     methods = {
         "long_prompt": {"gamma0": dict(speculative="magicdec", draft="snapkv", **{**views, "gamma": 0}),
                         "snapkv": dict(speculative="magicdec", draft="snapkv", **views),
-                        "verified": dict(speculative="magicdec", draft="verified", **views)},
-        "long_generation": {"verified": dict(speculative="magicdec", draft="verified", **views),
+                        "attended": dict(speculative="magicdec", draft="attended", **views)},
+        "long_generation": {"attended": dict(speculative="magicdec", draft="attended", **views),
                             "stock_static": dict(cache_implementation="static"),
-                            "gamma0_compiled": dict(speculative="magicdec", draft="verified",
+                            "gamma0_compiled": dict(speculative="magicdec", draft="attended",
                                                     **{**views, "gamma": 0, "compile": device.type == "cuda"})},
     }
     # Seconds of the budget a method needs left to start: the compiled ones pay a compilation.

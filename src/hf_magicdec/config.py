@@ -90,13 +90,13 @@ class MagicDecConfig:
     draft : DraftView or "auto"
         The draft view, an instance of a registered view: :class:`~hf_magicdec.StreamingLLM`
         (sink tokens + recent window), :class:`~hf_magicdec.SnapKV` (per-KV-head selection scored
-        by the last ``window`` prompt queries + recent window), :class:`~hf_magicdec.Dynamic` (pages
+        by the last ``window`` prompt queries + recent window), :class:`~hf_magicdec.DynamicPages` (pages
         re-selected from each draft query, Quest-style; see ``docs/draft_views.md``),
-        :class:`~hf_magicdec.Full` (the whole cache; every draft token is accepted, a sanity
+        :class:`~hf_magicdec.FullKV` (the whole cache; every draft token is accepted, a sanity
         mode), or your own; ``"auto"``: the planner picks one of ``candidates``.
     draft_budget : int or "auto"
         Tokens of KV per layer, per row and per KV head that the draft attends to (static
-        selection plus rolling recent window). Ignored by ``Full``.
+        selection plus rolling recent window). Ignored by ``FullKV``.
     gamma : int or "auto"
         Draft tokens per verification step (γ). Each step verifies γ+1 tokens. ``0`` turns
         drafting off: plain autoregressive decoding on the MagicDec cache (the benchmark's

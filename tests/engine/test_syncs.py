@@ -62,7 +62,7 @@ CASES = {
     # Length-dependent processors transformers ships, each position checked against its own length.
     "min_new_tokens and min_length": dict(gamma=3, min_new_tokens=12, min_length=30),
     # The verification-guided view re-chooses its static part after every verification, masked.
-    "verified, adaptive γ": dict(draft="verified", draft_budget=24, page_size=4, recent_window=6,
+    "attended, adaptive γ": dict(draft="attended", draft_budget=24, page_size=4, recent_window=6,
                                  gamma="auto", adaptive_gamma=True),
 }
 

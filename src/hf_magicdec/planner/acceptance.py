@@ -12,10 +12,10 @@ import math
 from typing import Any, Mapping
 
 __all__ = ["default_acceptance", "resolve_acceptance", "BASE_ACCEPTANCE", "DRAFT_MODEL_ACCEPTANCE",
-           "DRAFT_MODEL_PREFIX", "QUANTIZED_ACCEPTANCE_DROP", "VERIFIED_PROMPT_LEAD", "VERIFIED_WRITTEN_SHARE",
+           "DRAFT_MODEL_PREFIX", "QUANTIZED_ACCEPTANCE_DROP", "ATTENDED_PROMPT_LEAD", "ATTENDED_WRITTEN_SHARE",
            "WEIGHTS_SEPARATOR"]
 
-#: α at a budget of 256 tokens or more and a context of 4K tokens or less. ``verified`` (the view
+#: α at a budget of 256 tokens or more and a context of 4K tokens or less. ``attended`` (the view
 #: chosen by the verify pass's attention) earns its lead where the generation wrote much of the
 #: context (a choice made at prefill goes stale; the verifier's follows): 0.986 (SnapKV 0.863,
 #: StreamingLLM 0.924) at 8 × 256-token prompts with 512 new tokens, budget 128, and 0.976 (SnapKV
@@ -24,23 +24,23 @@ __all__ = ["default_acceptance", "resolve_acceptance", "BASE_ACCEPTANCE", "DRAFT
 #: weights at budget 256 and 128 new tokens, 0.912 vs 0.884 at 8 × 1K, 0.892 vs 0.928 at 8 × 2K,
 #: 0.797 vs 0.801 over four batches of 8 × 4K, 0.897 vs 0.858 at 8 × 7,936 (at budget 128 and
 #: 8 × 1K it led, 0.818 vs 0.697: a prior on the share alone misses that). Those prompt-only figures
-#: predate ``verified`` choosing from the first verification; since then it leads SnapKV there too
+#: predate ``attended`` choosing from the first verification; since then it leads SnapKV there too
 #: (over eight batches, budget 256: 0.889 vs 0.836 at 8 × 4K fp16, 0.883 vs 0.829 over eight more,
 #: 0.836 vs 0.787 int8, 0.819 vs 0.747 at 8 × 2K fp16; docs/benchmarks.md, "Choosing from the first
-#: verification"). So its prior is SnapKV's plus :data:`VERIFIED_PROMPT_LEAD` where the context is
-#: the prompt, 0.93 once the generation wrote :data:`VERIFIED_WRITTEN_SHARE` of the context or more,
+#: verification"). So its prior is SnapKV's plus :data:`ATTENDED_PROMPT_LEAD` where the context is
+#: the prompt, 0.93 once the generation wrote :data:`ATTENDED_WRITTEN_SHARE` of the context or more,
 #: in proportion between (see :func:`default_acceptance`).
-BASE_ACCEPTANCE = {"streamingllm": 0.80, "snapkv": 0.85, "verified": 0.93}
-#: ``verified``'s lead over SnapKV where the context is all prompt, as measured there: 0.05 at 8 × 4K
+BASE_ACCEPTANCE = {"streamingllm": 0.80, "snapkv": 0.85, "attended": 0.93}
+#: ``attended``'s lead over SnapKV where the context is all prompt, as measured there: 0.05 at 8 × 4K
 #: with either weight format, 0.07 at 8 × 2K, 0.04 at 8 × 7,936 with γ adapted (where it took 7 % less
 #: decode time over four batches, more than at 4K).
-VERIFIED_PROMPT_LEAD = 0.05
+ATTENDED_PROMPT_LEAD = 0.05
 _OTHER = 0.80  # views without their own prior (user-registered ones)
-#: Share of the context written by the generation from which ``verified`` gets its full prior. Nothing
+#: Share of the context written by the generation from which ``attended`` gets its full prior. Nothing
 #: was measured between a few per cent (the prompt's lead) and a half (the full lead); a quarter keeps
-#: the choice measured right at 8 × 256 → 512 (``verified`` 1.43x plain decoding, SnapKV 1.16x),
+#: the choice measured right at 8 × 256 → 512 (``attended`` 1.43x plain decoding, SnapKV 1.16x),
 #: which a half would hand to SnapKV.
-VERIFIED_WRITTEN_SHARE = 0.25
+ATTENDED_WRITTEN_SHARE = 0.25
 #: α of a separate small draft model with its full cache (``draft="model:full"``): a prior for a
 #: same-family model about 3x smaller (Qwen2.5-Coder-0.5B drafting for 1.5B measured 0.80 at 4K and
 #: 0.64 at 16K on Shakespeare, docs/benchmarks.md). A compressed draft-model view scales it by the
@@ -69,7 +69,7 @@ def default_acceptance(draft: str, budget: int, context: float, prompt_len: floa
 
     ``α = base(draft) − 0.05·log2(256 / K)⁺ − 0.0125·log2(S / 4096)⁺``, clipped to
     [0.05, 0.99], where ``base`` is 0.80 for ``streamingllm``, 0.85 for ``snapkv`` (which beats
-    StreamingLLM at the same budget in MagicDec §4) and 0.80 for other views; for ``verified``,
+    StreamingLLM at the same budget in MagicDec §4) and 0.80 for other views; for ``attended``,
     SnapKV's 0.85 plus 0.05 + 0.03·min(1, w / 0.25), where ``w = (S − P) / S`` is the share of the
     context the generation wrote (measured 0.04–0.07 above SnapKV where the context is the prompt,
     0.93 and above on long generations); ``K`` is the budget and ``S`` the context. So α is flat for
@@ -116,11 +116,11 @@ def default_acceptance(draft: str, budget: int, context: float, prompt_len: floa
     if draft == "full" or budget >= context:
         return _CEIL
     alpha = BASE_ACCEPTANCE.get(draft, _OTHER)
-    if draft == "verified":
+    if draft == "attended":
         written = 0.0 if prompt_len is None else max(0.0, context - prompt_len) / context
-        lead = BASE_ACCEPTANCE["verified"] - BASE_ACCEPTANCE["snapkv"]
-        alpha = BASE_ACCEPTANCE["snapkv"] + VERIFIED_PROMPT_LEAD
-        alpha += (lead - VERIFIED_PROMPT_LEAD) * min(1.0, written / VERIFIED_WRITTEN_SHARE)
+        lead = BASE_ACCEPTANCE["attended"] - BASE_ACCEPTANCE["snapkv"]
+        alpha = BASE_ACCEPTANCE["snapkv"] + ATTENDED_PROMPT_LEAD
+        alpha += (lead - ATTENDED_PROMPT_LEAD) * min(1.0, written / ATTENDED_WRITTEN_SHARE)
     alpha -= _PER_BUDGET_HALVING * max(0.0, math.log2(_REF_BUDGET / budget))
     alpha -= _PER_CONTEXT_DOUBLING * max(0.0, math.log2(context / _REF_CONTEXT))
     return min(_CEIL, max(_FLOOR, alpha))

@@ -181,7 +181,7 @@ def estimate(model: ModelSpec, hardware: HardwareSpec, *, batch: int, context: i
     td_total = draft_steps(drafter, hardware, batch, context, budget, gamma)
     td_total += gamma * selection_seconds(drafter, hardware, batch, context, budget, draft)  # query-aware views (dynamic) re-select every step
     tv = verify_step(model, hardware, batch, context, gamma).seconds
-    tv += choice_seconds(drafter, hardware, batch, context, budget, draft, gamma + 1)  # views chosen by the verifier (verified)
+    tv += choice_seconds(drafter, hardware, batch, context, budget, draft, gamma + 1)  # views chosen by the verifier (attended)
     return Estimate(view_name, budget, gamma, alpha, omega(gamma, alpha), tt, td_total / gamma, tv,
                     speedup(gamma, alpha, tt, td_total, tv), None if draft_model is None else draft_model.name,
                     draft_weights)
