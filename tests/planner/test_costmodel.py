@@ -602,7 +602,7 @@ def test_calibrate_smoke_on_tiny_model(tmp_path):
 
     from hf_magicdec.engine.draft_weights import supported_formats
 
-    # Per point: T_T, T_V(1), T_V(3), T_D(32), and T_D(32) on each CPU draft twin (int8; fp16 on x86).
+    # Per point: T_T, T_V(1), T_V(3), T_D(32), and T_D(32) on each CPU quantized draft (int8; fp16 on x86).
     formats = set(supported_formats(torch.device("cpu")))
     assert len(result.measurements) == 2 * (4 + len(formats)) and set(result.quantized_flops) == formats
     path = cal.calibration_path("tiny", result.spec, result.device, result.dtype, tmp_path)
