@@ -32,11 +32,12 @@ What it measures (issue 5's targets, Llama-3.1-8B shape in bf16):
 * end to end (``--e2e``, default batch 32 × 32K, 128 new tokens): MagicDec's decode time against
   stock ``generate(cache_implementation="static")``, which transformers compiles on CUDA, same
   inputs, same run, and whether the greedy tokens are identical (target ≥ 1.5×);
-* issue 26: the verify kernel's attention mass per page (``draft="attended"``) against the twin
-  and its cost beside the plain verify kernel; ``snapkv`` against ``attended`` at 8 × 4K → 128 and a
-  long generation (16 × 256 → 1,024) against the static cache (:func:`views_and_long_generation`).
+* the ``views`` stage (issue 26): the verify kernel's attention mass per page (``draft="attended"``)
+  against the twin and its cost beside the plain verify kernel; ``snapkv`` against ``attended`` at
+  8 × 4K → 128 and a long generation (16 × 256 → 1,024) against the static cache
+  (:func:`views_and_long_generation`).
 
-``--stages`` runs a subset (``kernel``, ``issue26``, ``ratios``, ``e2e``; the correctness checks
+``--stages`` runs a subset (``kernel``, ``views``, ``ratios``, ``e2e``; the correctness checks
 always run first).
 
 Model-level timings use ``--layers`` decoder layers (default 8) of the real shape: a full 32-layer
@@ -283,7 +284,7 @@ def model_ratios(name, layers, units, device, dtype, repeats, smoke, *, gammas=(
             skipped.append(dict(model=name, path="stock_dynamic_cache_decode"))
         return rows
     model = build_model(name, layers, dtype, device, smoke)
-    # Draft steps also timed on the quantized twin (draft_weights=): int8 on CPU, torchao's on CUDA.
+    # Draft steps also timed on the quantized draft (draft_weights=): int8 on CPU, torchao's on CUDA.
     quantized = (feasible_formats(model, device) or ("full",))[0]
     # Graphs off (eager, every operator launched from the host) and on (compile=, as generate runs
     # it: inductor + CUDA graphs on a GPU; aot_eager in the CPU smoke run, which only checks the path).
@@ -442,7 +443,7 @@ def views_and_long_generation(name, layers, device, dtype, smoke, budget: Budget
             for method, kwargs in methods[shape].items():
                 if only and method not in only:
                     continue
-                row = dict(stage="issue26", shape=shape, method=method, model=name, layers=layers, batch=batch,
+                row = dict(stage="views", shape=shape, method=method, model=name, layers=layers, batch=batch,
                            prompt=prompt, new_tokens=new)
                 if not budget.allows(need.get(method, 60)):
                     row["skipped"] = f"time budget ({budget.left():.0f} s left)"
@@ -505,7 +506,7 @@ def save(report: dict, path: Path, t0: float, complete: bool = False, status: st
 
 
 #: Stages after the kernel correctness checks, in the order they run.
-STAGES = ("kernel", "issue26", "ratios", "e2e")
+STAGES = ("kernel", "views", "ratios", "e2e")
 
 
 def main(argv=None) -> int:
@@ -525,13 +526,13 @@ def main(argv=None) -> int:
                         help="draft budgets timed with the steps captured (default: --budgets)")
     parser.add_argument("--e2e", type=int, nargs=3, default=[32, 32768, 128], metavar=("BATCH", "CONTEXT", "NEW"),
                         help="end-to-end decode vs compiled stock static cache (llama-3.1-8b shape)")
-    parser.add_argument("--no-e2e", action="store_true", help="skip the end-to-end comparison")
     parser.add_argument("--stages", nargs="+", default=list(STAGES), choices=list(STAGES),
                         help="what to run (default: all; correctness and the copy bandwidth always run)")
-    parser.add_argument("--issue26-shapes", nargs="+", default=["long_prompt", "long_generation"],
-                        choices=["long_prompt", "long_generation"], help="issue 26's workloads to run")
-    parser.add_argument("--issue26-methods", nargs="+", default=None,
-                        help="only these of issue 26's methods (default: all; e.g. stock_static gamma0_compiled)")
+    parser.add_argument("--views-shapes", nargs="+", default=["long_prompt", "long_generation"],
+                        choices=["long_prompt", "long_generation"], help="the views stage's workloads to run")
+    parser.add_argument("--views-methods", nargs="+", default=None,
+                        help="only these of the views stage's methods (default: all; e.g. stock_static "
+                             "gamma0_compiled)")
     parser.add_argument("--prefill-chunk", type=int, default=1024,
                         help="prompt tokens per prefill forward in the end-to-end comparison, both methods")
     parser.add_argument("--budget-s", type=float, default=None,
@@ -577,13 +578,13 @@ def main(argv=None) -> int:
     for row in report["kernel"]:
         print(json.dumps(row), flush=True)
     report["model"] = []
-    report["issue26"] = []
+    report["views"] = []
     save(report, out, t0)
-    if "issue26" in args.stages:
+    if "views" in args.stages:
         views_and_long_generation(args.models[0], args.layers, device, dtype, args.smoke, budget,
-                                  args.issue26_shapes, args.issue26_methods,
+                                  args.views_shapes, args.views_methods,
                                   lambda row: (print(json.dumps(row, default=str), flush=True),
-                                               report["issue26"].append(row), save(report, out, t0)))
+                                               report["views"].append(row), save(report, out, t0)))
 
     # Headline shape first (batch 32, or the first batch, at the longest context; eager, then
     # captured), HF's stock step there, the end-to-end comparison, then the rest of the grid.
@@ -601,8 +602,8 @@ def main(argv=None) -> int:
     else:
         model_ratios(first, args.layers, [(*head, False), (*head, True)], device, dtype, args.repeats, args.smoke,
                      stock_shape=stock, **common)
-    if args.no_e2e or "e2e" not in args.stages:
-        report["end_to_end"] = dict(skipped="--no-e2e" if args.no_e2e else "not in --stages")
+    if "e2e" not in args.stages:
+        report["end_to_end"] = dict(skipped="not in --stages")
     elif not budget.allows(90):
         report["end_to_end"] = dict(skipped=f"time budget ({budget.left():.0f} s left of {args.budget_s:.0f})")
     else:
@@ -621,7 +622,7 @@ def main(argv=None) -> int:
         model_ratios(name, args.layers, [(b, c, g) for b, c in grid for g in (False, True)], device, dtype,
                      args.repeats, args.smoke, stock_shape=stock, **common)
 
-    errors = [r for r in report["model"] + report["issue26"] if "error" in r]
+    errors = [r for r in report["model"] + report["views"] if "error" in r]
     errors += [report["end_to_end"]] if "error" in report["end_to_end"] else []
     status = "done" + (f", {len(report['skipped'])} measurement(s) skipped for time" if report["skipped"] else "") + (
         f", {len(errors)} failed" if errors else "")
