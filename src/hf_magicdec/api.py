@@ -26,7 +26,7 @@ from .engine.draft_weights import QUANTIZED_FORMATS, check_draft_weights, has_qu
 from .engine.drafters import ModelDrafter, SelfDrafter, check_draft_model, quantized_draft_call
 from .engine.gamma import AdaptiveGamma, FixedGamma
 from .engine.loop import Engine, left_padding
-from .engine.observers import AcceptanceRecorder, Observers, ScoresRecorder, StatsRecorder, StreamerHook
+from .engine.observers import AcceptanceRecorder, Observers, ScoresRecorder, StatsRecorder, StreamerObserver
 from .engine.outputs import MagicDecOutput, SpeculationStats
 from .engine.compiled import StepGraphs
 from .engine.steps import ModelCall, compile_config_for
@@ -233,7 +233,7 @@ def _speculate(call: _Call, resolution: Resolution, draft_model):
         remember = AcceptanceRecorder(stats, functools.partial(record_acceptance, call.model, key, config.draft_budget))
     streamer = call.request.streamer
     observers = Observers(StatsRecorder(stats, call.input_ids.device), scores, remember,
-                          StreamerHook(streamer) if streamer is not None else None)
+                          StreamerObserver(streamer) if streamer is not None else None)
     graphs = StepGraphs(call.compile_config) if call.compile_config is not None else None
     engine = Engine(target, drafter, gen, call.logits_processor, call.stopping_criteria, chunk, scratch, gamma,
                     observers, call.lockstep, graphs)

@@ -25,7 +25,7 @@ def _cache(batch: int, prompt: int, pad: list[int], capacity: int = 128) -> Magi
 
 
 def _state(cache: MagicDecCache) -> AttendedPageSelection:
-    (state,) = [h for h in cache.hooks if isinstance(h, AttendedPageSelection)]
+    (state,) = [s for s in cache.row_states if isinstance(s, AttendedPageSelection)]
     return state
 
 

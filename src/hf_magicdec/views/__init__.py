@@ -14,7 +14,7 @@ import dataclasses
 import difflib
 
 from .attended import AttendedPages, AttendedPageSelection
-from .base import CacheHook, DraftView, ScoreContext, ViewCache
+from .base import DraftView, RowState, ScoreContext, ViewCache
 from .dynamic import DynamicPages, PageSelection
 from .full import FullKV
 from .snapkv import SnapKV, snapkv_scores
@@ -105,11 +105,11 @@ for _view in (StreamingLLM, SnapKV, FullKV, DynamicPages, AttendedPages):
 __all__ = [
     "AttendedPageSelection",
     "AttendedPages",
-    "CacheHook",
     "DraftView",
     "DynamicPages",
     "FullKV",
     "PageSelection",
+    "RowState",
     "ScoreContext",
     "SnapKV",
     "StreamingLLM",

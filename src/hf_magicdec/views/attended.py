@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..defaults import DEFAULT_PAGE_SIZE, DEFAULT_POOL_KERNEL, DEFAULT_SINK_TOKENS, DEFAULT_WINDOW
-from .base import CacheHook, DraftView, ScoreContext, ViewCache, check_sizes, is_int, require_int
+from .base import DraftView, RowState, ScoreContext, ViewCache, check_sizes, is_int, require_int
 from .dynamic import select_page_slots
 from .snapkv import snapkv_scores
 
@@ -134,7 +134,7 @@ class AttendedPages(DraftView):
 
 
 @dataclass
-class AttendedPageSelection(CacheHook):
+class AttendedPageSelection(RowState):
     """Per-row state of a :class:`AttendedPages` view in one cache: the verify attention's mass per page
     of the verification the next choice follows, per layer (the cache keeps it aligned with its rows, asks it which
     page size verify forwards emit mass for, hands it that mass, and calls :meth:`on_commit`).

@@ -81,11 +81,11 @@ class ViewCache(Protocol):
         is then the caller's to fill (``replace_static``)."""
 
 
-class CacheHook:
+class RowState:
     """Per-row state kept beside the engine's cache (a view's page summaries or chosen pages, the
-    refresh policy's query rings), attached with ``cache.attach(hook)``. The cache calls every
-    method below at the moment its docstring names; the defaults do nothing, so a hook overrides
-    only what it needs."""
+    refresh policy's query rings), attached with ``cache.attach(state)``. The cache calls every
+    method below at the moment its docstring names; the defaults do nothing, so a row state
+    overrides only what it needs."""
 
     def select_rows(self, rows: torch.Tensor) -> None:
         """Rows left the batch: keep only ``rows [b']`` (indices into the current rows, in order)."""

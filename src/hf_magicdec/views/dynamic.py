@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..defaults import DEFAULT_PAGE_SIZE, DEFAULT_SINK_TOKENS
-from .base import CacheHook, DraftView, ScoreContext, ViewCache, check_sizes, is_int, require_int
+from .base import DraftView, RowState, ScoreContext, ViewCache, check_sizes, is_int, require_int
 
 
 def page_summaries(keys: torch.Tensor, first: torch.Tensor, span: torch.Tensor, page_size: int):
@@ -216,7 +216,7 @@ class DynamicPages(DraftView):
 
 
 @dataclass
-class PageSelection(CacheHook):
+class PageSelection(RowState):
     """Per-row state of a :class:`DynamicPages` view in one cache: page summaries per layer and which
     rows select (the cache keeps it aligned with its rows and calls :meth:`on_draft_query`).
 
