@@ -27,7 +27,7 @@ query-aware view (``dynamic``), which re-selects prompt pages from it at every d
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, Callable, Protocol
+from typing import Callable, Protocol
 
 import torch
 
@@ -47,8 +47,6 @@ class Drafter(Protocol):
 
     #: Name reported in the statistics (the draft model's), None for self-drafting.
     name: str | None
-    #: The separate draft model, or None (acceptance is remembered per draft model).
-    model: Any
     #: Whether draft forwards run the (possibly sharded) target: ranks in lockstep mirror them.
     on_target: bool
     #: Times the draft view was re-selected during the generation (hf_magicdec.engine.refresh).
@@ -97,7 +95,6 @@ class SelfDrafter:
     """The target drafts for itself on the draft views inside its own cache."""
 
     name = None
-    model = None
     on_target = True
 
     def __init__(self, call: ModelCall, view, config, draft_call: ModelCall | None = None):
