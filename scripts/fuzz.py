@@ -55,6 +55,11 @@ from transformers import LogitsProcessor, LogitsProcessorList, StoppingCriteria,
 import hf_magicdec  # noqa: E402,F401  (installs the routing)
 from hf_magicdec import MagicDecConfig  # noqa: E402
 
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
+from triton_bridges import bridge_triton_interpreter  # noqa: E402
+
+bridge_triton_interpreter()  # torch 2.11 / Triton 3.6 under the interpreter; before any kernel is imported
+
 VOCAB = 128
 DIST_VOCAB = 16
 PAD, BOS, EOS = 0, 1, 2

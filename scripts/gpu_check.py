@@ -61,13 +61,17 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
+sys.path.insert(0, str(ROOT / "tests"))  # triton_bridges: --smoke runs the kernels interpreted
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from transformers.generation.streamers import BaseStreamer  # noqa: E402
+from triton_bridges import bridge_triton_interpreter  # noqa: E402
 
 from hf_magicdec import kernels  # noqa: E402
 from hf_magicdec.kernels import Segments, reference  # noqa: E402
+
+bridge_triton_interpreter()  # under TRITON_INTERPRET=1 on torch 2.11 / Triton 3.6; before any kernel is imported
 
 CONFIGS = {name: ROOT / "tests" / "configs" / f"{name}.json" for name in ("llama-3.1-8b", "qwen2.5-7b")}
 TARGETS = {"verify_bandwidth_fraction": 0.70, "tv4_over_tt": 1.15, "td512_over_tt": 0.10,

@@ -50,7 +50,6 @@ def test_library_works_without_the_tooling():
 #: transformers' DeepSpeed / FSDP helpers, whose home moved between releases, and torchao (quantized
 #: draft weights on CUDA).
 OPTIONAL_LOCAL_IMPORTS = {
-    ("hf_magicdec/compat.py", "triton.runtime"),  # the torch 2.11 / Triton 3.6 interpreter bridges
     ("hf_magicdec/engine/draft_weights.py", "torchao.quantization"),
     ("hf_magicdec/kernels/__init__.py", "hf_magicdec.kernels.triton_kernels"),
     ("hf_magicdec/planner/calibration_store.py", "torch"),
