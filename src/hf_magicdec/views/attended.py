@@ -29,8 +29,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..checks import is_int
 from ..defaults import DEFAULT_PAGE_SIZE, DEFAULT_POOL_KERNEL, DEFAULT_SINK_TOKENS, DEFAULT_WINDOW
-from .base import DraftView, RowState, ScoreContext, ViewCache, check_sizes, is_int, require_int
+from .base import DraftView, RowState, ScoreContext, ViewCache, check_sizes, require_int
 from .dynamic import select_page_slots
 from .snapkv import snapkv_scores
 

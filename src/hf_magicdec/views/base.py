@@ -24,12 +24,8 @@ from typing import Any, ClassVar, Protocol, Sequence
 
 import torch
 
+from ..checks import is_int
 from ..defaults import MAX_GAMMA
-
-
-def is_int(value: Any) -> bool:
-    """True for an ``int`` that is not a ``bool``."""
-    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def require_int(name: str, value: Any) -> None:

@@ -36,8 +36,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..checks import is_int
 from ..defaults import DEFAULT_PAGE_SIZE, DEFAULT_SINK_TOKENS
-from .base import DraftView, RowState, ScoreContext, ViewCache, check_sizes, is_int, require_int
+from .base import DraftView, RowState, ScoreContext, ViewCache, check_sizes, require_int
 
 
 def page_summaries(keys: torch.Tensor, first: torch.Tensor, span: torch.Tensor, page_size: int):
