@@ -55,6 +55,11 @@ from transformers import LogitsProcessor, LogitsProcessorList, StoppingCriteria,
 import hf_magicdec  # noqa: E402,F401  (installs the routing)
 from hf_magicdec import MagicDecConfig  # noqa: E402
 
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
+from triton_bridges import bridge_triton_interpreter  # noqa: E402
+
+bridge_triton_interpreter()  # torch 2.11 / Triton 3.6 under the interpreter; before any kernel is imported
+
 VOCAB = 128
 DIST_VOCAB = 16
 PAD, BOS, EOS = 0, 1, 2
@@ -82,7 +87,7 @@ FAMILIES = {
 }
 # (attention heads, KV heads): GQA ratios 1, 2, 3, 4, 7.
 HEADS = [(4, 4), (4, 2), (6, 2), (4, 1), (7, 1), (6, 3), (8, 2)]
-DRAFTS = ["streamingllm", "snapkv", "dynamic", "verified", "full", "auto"]
+DRAFTS = ["streamingllm", "snapkv", "dynamic", "attended", "full", "auto"]
 
 _MODELS: OrderedDict = OrderedDict()
 
@@ -190,7 +195,7 @@ def _magicdec_fields(rng, prompt_len: int, new_tokens: int) -> dict:
         m["draft_budget"] = rng.randint(4, max(5, prompt_len - 1))
     else:
         m["draft_budget"] = prompt_len + new_tokens + rng.randint(0, 40)
-    if draft in ("streamingllm", "dynamic", "verified", "auto"):
+    if draft in ("streamingllm", "dynamic", "attended", "auto"):
         m["sink_tokens"] = rng.choice([0, 1, 2, 4, 16])
     if draft in ("snapkv", "auto"):
         m["window"] = rng.choice([2, 4, 8, 32])
@@ -198,11 +203,11 @@ def _magicdec_fields(rng, prompt_len: int, new_tokens: int) -> dict:
             m["recent_window"] = rng.randint(2, 24)
         if rng.random() < 0.3:
             m["pool_kernel"] = rng.choice([1, 3, 7])
-    if draft in ("dynamic", "verified"):
+    if draft in ("dynamic", "attended"):
         m["page_size"] = rng.choice([1, 2, 4, 8])
         if rng.random() < 0.5:
             m["recent_window"] = rng.randint(2, 24)
-    if draft == "verified":
+    if draft == "attended":
         m["window"] = rng.choice([2, 4, 8])
         m["every"] = rng.choice([1, 1, 2, 5])
     if draft in ("streamingllm", "snapkv") and rng.random() < 0.25:
@@ -305,14 +310,14 @@ def _draw_dist_case(rng, seed, index) -> dict:
     case = dict(seed=seed, index=index, kind="dist")
     case.update(_model_fields(rng, prompt_len + 3))
     case.update(prompt_len=prompt_len, prompt_seed=rng.randrange(10**6), sample_seed=rng.randrange(10**6))
-    draft = rng.choice(["streamingllm", "snapkv", "dynamic", "verified"])
+    draft = rng.choice(["streamingllm", "snapkv", "dynamic", "attended"])
     fields = dict(draft=draft, draft_budget=rng.randint(3, max(4, prompt_len // 2)),
                   gamma=rng.choice([1, 2, 3, 4, "auto"]))
-    if draft in ("streamingllm", "dynamic", "verified"):
+    if draft in ("streamingllm", "dynamic", "attended"):
         fields["sink_tokens"] = rng.choice([0, 1, 2])
-    if draft in ("snapkv", "verified"):
+    if draft in ("snapkv", "attended"):
         fields["window"] = rng.choice([4, 6])
-    if draft in ("dynamic", "verified"):
+    if draft in ("dynamic", "attended"):
         fields["page_size"] = rng.choice([1, 2])
     if not _valid(fields):
         fields = dict(draft="streamingllm", draft_budget=max(4, prompt_len // 2), sink_tokens=1, gamma=2)

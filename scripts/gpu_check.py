@@ -32,11 +32,12 @@ What it measures (issue 5's targets, Llama-3.1-8B shape in bf16):
 * end to end (``--e2e``, default batch 32 × 32K, 128 new tokens): MagicDec's decode time against
   stock ``generate(cache_implementation="static")``, which transformers compiles on CUDA, same
   inputs, same run, and whether the greedy tokens are identical (target ≥ 1.5×);
-* issue 26: the verify kernel's attention mass per page (``draft="verified"``) against the twin
-  and its cost beside the plain verify kernel; ``snapkv`` against ``verified`` at 8 × 4K → 128 and a
-  long generation (16 × 256 → 1,024) against the static cache (:func:`views_and_long_generation`).
+* the ``views`` stage (issue 26): the verify kernel's attention mass per page (``draft="attended"``)
+  against the twin and its cost beside the plain verify kernel; ``snapkv`` against ``attended`` at
+  8 × 4K → 128 and a long generation (16 × 256 → 1,024) against the static cache
+  (:func:`views_and_long_generation`).
 
-``--stages`` runs a subset (``kernel``, ``issue26``, ``ratios``, ``e2e``; the correctness checks
+``--stages`` runs a subset (``kernel``, ``views``, ``ratios``, ``e2e``; the correctness checks
 always run first).
 
 Model-level timings use ``--layers`` decoder layers (default 8) of the real shape: a full 32-layer
@@ -60,13 +61,17 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
+sys.path.insert(0, str(ROOT / "tests"))  # triton_bridges: --smoke runs the kernels interpreted
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from transformers.generation.streamers import BaseStreamer  # noqa: E402
+from triton_bridges import bridge_triton_interpreter  # noqa: E402
 
 from hf_magicdec import kernels  # noqa: E402
 from hf_magicdec.kernels import Segments, reference  # noqa: E402
+
+bridge_triton_interpreter()  # under TRITON_INTERPRET=1 on torch 2.11 / Triton 3.6; before any kernel is imported
 
 CONFIGS = {name: ROOT / "tests" / "configs" / f"{name}.json" for name in ("llama-3.1-8b", "qwen2.5-7b")}
 TARGETS = {"verify_bandwidth_fraction": 0.70, "tv4_over_tt": 1.15, "td512_over_tt": 0.10,
@@ -140,7 +145,7 @@ def check_correctness(device, smoke: bool) -> list[dict]:
 
 
 def _mass_correctness(device, dtype, smoke: bool, gen) -> list[dict]:
-    """The verify kernel's attention mass per page (``page_size=``, what ``draft="verified"``
+    """The verify kernel's attention mass per page (``page_size=``, what ``draft="attended"``
     chooses from) against the fp32 twin's: output and mass, causal verify segments, left padding."""
     shapes = [(2, 4, 2, 4, 64, 301)] if smoke else [(8, 4, 8, 4, 128, 4099), (4, 7, 4, 5, 128, 32771)]
     rows = []
@@ -187,7 +192,7 @@ def kernel_timings(device, batch, context, kv_heads, group, head_dim, dtype, cop
             "stock_sdpa": (lambda: F.scaled_dot_product_attention(query, k, v, enable_gqa=True)) if q_len == 1 else
                           (lambda: F.scaled_dot_product_attention(query, k, v, attn_mask=mask, enable_gqa=True)),
         }
-        if q_len > 1:  # issue 26: the verify pass emitting the mass per 16-key page (draft="verified")
+        if q_len > 1:  # issue 26: the verify pass emitting the mass per 16-key page (draft="attended")
             paths["triton_mass16"] = lambda: kernels._triton().segment_attention(query, k, v, seg, head_dim**-0.5,
                                                                                  page_size=16)
         for name, fn in paths.items():
@@ -283,7 +288,7 @@ def model_ratios(name, layers, units, device, dtype, repeats, smoke, *, gammas=(
             skipped.append(dict(model=name, path="stock_dynamic_cache_decode"))
         return rows
     model = build_model(name, layers, dtype, device, smoke)
-    # Draft steps also timed on the quantized twin (draft_weights=): int8 on CPU, torchao's on CUDA.
+    # Draft steps also timed on the quantized draft (draft_weights=): int8 on CPU, torchao's on CUDA.
     quantized = (feasible_formats(model, device) or ("full",))[0]
     # Graphs off (eager, every operator launched from the host) and on (compile=, as generate runs
     # it: inductor + CUDA graphs on a GPU; aot_eager in the CPU smoke run, which only checks the path).
@@ -407,9 +412,9 @@ def views_and_long_generation(name, layers, device, dtype, smoke, budget: Budget
     text; the step costs and the token identity do):
 
     * long prompt (8 x 4K -> 128, budget 256, γ 3, eager, ``HF_MAGICDEC_PROFILE=1``): ``snapkv``
-      against ``verified``, whose choices (the per-layer gathers after a verification) are the
+      against ``attended``, whose choices (the per-layer gathers after a verification) are the
       "other" seconds beyond draft and verify; tokens against plain decoding on our cache (γ 0);
-    * long generation (16 x 256 -> 1024, EOS ignored): ``verified`` γ 3 eager, stock
+    * long generation (16 x 256 -> 1024, EOS ignored): ``attended`` γ 3 eager, stock
       ``generate(cache_implementation="static")`` (transformers compiles it on CUDA) and MagicDec
       γ = 0 with ``compile=True`` (the cost of starting on our own cache), same prompts; decode
       seconds from a streamer, after one warm-up call each (compilation, allocator). The default
@@ -424,10 +429,10 @@ def views_and_long_generation(name, layers, device, dtype, smoke, budget: Budget
     methods = {
         "long_prompt": {"gamma0": dict(speculative="magicdec", draft="snapkv", **{**views, "gamma": 0}),
                         "snapkv": dict(speculative="magicdec", draft="snapkv", **views),
-                        "verified": dict(speculative="magicdec", draft="verified", **views)},
-        "long_generation": {"verified": dict(speculative="magicdec", draft="verified", **views),
+                        "attended": dict(speculative="magicdec", draft="attended", **views)},
+        "long_generation": {"attended": dict(speculative="magicdec", draft="attended", **views),
                             "stock_static": dict(cache_implementation="static"),
-                            "gamma0_compiled": dict(speculative="magicdec", draft="verified",
+                            "gamma0_compiled": dict(speculative="magicdec", draft="attended",
                                                     **{**views, "gamma": 0, "compile": device.type == "cuda"})},
     }
     # Seconds of the budget a method needs left to start: the compiled ones pay a compilation.
@@ -442,7 +447,7 @@ def views_and_long_generation(name, layers, device, dtype, smoke, budget: Budget
             for method, kwargs in methods[shape].items():
                 if only and method not in only:
                     continue
-                row = dict(stage="issue26", shape=shape, method=method, model=name, layers=layers, batch=batch,
+                row = dict(stage="views", shape=shape, method=method, model=name, layers=layers, batch=batch,
                            prompt=prompt, new_tokens=new)
                 if not budget.allows(need.get(method, 60)):
                     row["skipped"] = f"time budget ({budget.left():.0f} s left)"
@@ -505,7 +510,7 @@ def save(report: dict, path: Path, t0: float, complete: bool = False, status: st
 
 
 #: Stages after the kernel correctness checks, in the order they run.
-STAGES = ("kernel", "issue26", "ratios", "e2e")
+STAGES = ("kernel", "views", "ratios", "e2e")
 
 
 def main(argv=None) -> int:
@@ -525,13 +530,13 @@ def main(argv=None) -> int:
                         help="draft budgets timed with the steps captured (default: --budgets)")
     parser.add_argument("--e2e", type=int, nargs=3, default=[32, 32768, 128], metavar=("BATCH", "CONTEXT", "NEW"),
                         help="end-to-end decode vs compiled stock static cache (llama-3.1-8b shape)")
-    parser.add_argument("--no-e2e", action="store_true", help="skip the end-to-end comparison")
     parser.add_argument("--stages", nargs="+", default=list(STAGES), choices=list(STAGES),
                         help="what to run (default: all; correctness and the copy bandwidth always run)")
-    parser.add_argument("--issue26-shapes", nargs="+", default=["long_prompt", "long_generation"],
-                        choices=["long_prompt", "long_generation"], help="issue 26's workloads to run")
-    parser.add_argument("--issue26-methods", nargs="+", default=None,
-                        help="only these of issue 26's methods (default: all; e.g. stock_static gamma0_compiled)")
+    parser.add_argument("--views-shapes", nargs="+", default=["long_prompt", "long_generation"],
+                        choices=["long_prompt", "long_generation"], help="the views stage's workloads to run")
+    parser.add_argument("--views-methods", nargs="+", default=None,
+                        help="only these of the views stage's methods (default: all; e.g. stock_static "
+                             "gamma0_compiled)")
     parser.add_argument("--prefill-chunk", type=int, default=1024,
                         help="prompt tokens per prefill forward in the end-to-end comparison, both methods")
     parser.add_argument("--budget-s", type=float, default=None,
@@ -577,13 +582,13 @@ def main(argv=None) -> int:
     for row in report["kernel"]:
         print(json.dumps(row), flush=True)
     report["model"] = []
-    report["issue26"] = []
+    report["views"] = []
     save(report, out, t0)
-    if "issue26" in args.stages:
+    if "views" in args.stages:
         views_and_long_generation(args.models[0], args.layers, device, dtype, args.smoke, budget,
-                                  args.issue26_shapes, args.issue26_methods,
+                                  args.views_shapes, args.views_methods,
                                   lambda row: (print(json.dumps(row, default=str), flush=True),
-                                               report["issue26"].append(row), save(report, out, t0)))
+                                               report["views"].append(row), save(report, out, t0)))
 
     # Headline shape first (batch 32, or the first batch, at the longest context; eager, then
     # captured), HF's stock step there, the end-to-end comparison, then the rest of the grid.
@@ -601,8 +606,8 @@ def main(argv=None) -> int:
     else:
         model_ratios(first, args.layers, [(*head, False), (*head, True)], device, dtype, args.repeats, args.smoke,
                      stock_shape=stock, **common)
-    if args.no_e2e or "e2e" not in args.stages:
-        report["end_to_end"] = dict(skipped="--no-e2e" if args.no_e2e else "not in --stages")
+    if "e2e" not in args.stages:
+        report["end_to_end"] = dict(skipped="not in --stages")
     elif not budget.allows(90):
         report["end_to_end"] = dict(skipped=f"time budget ({budget.left():.0f} s left of {args.budget_s:.0f})")
     else:
@@ -621,7 +626,7 @@ def main(argv=None) -> int:
         model_ratios(name, args.layers, [(b, c, g) for b, c in grid for g in (False, True)], device, dtype,
                      args.repeats, args.smoke, stock_shape=stock, **common)
 
-    errors = [r for r in report["model"] + report["issue26"] if "error" in r]
+    errors = [r for r in report["model"] + report["views"] if "error" in r]
     errors += [report["end_to_end"]] if "error" in report["end_to_end"] else []
     status = "done" + (f", {len(report['skipped'])} measurement(s) skipped for time" if report["skipped"] else "") + (
         f", {len(errors)} failed" if errors else "")

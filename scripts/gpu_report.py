@@ -153,15 +153,15 @@ def render(report: dict) -> str:
                             e2e.get("magicdec_steps"), e2e.get("magicdec_acceptance"),
                             e2e.get("speedup_vs_compiled_static"), e2e.get("identical")]], "lrrrrrrrrrl")
 
-    issue26 = report.get("issue26") or []
-    if issue26:
+    views = report.get("views") or []
+    if views:
         out += ["## Draft views and long generation (issue 26; random weights: acceptance is not text's)", ""]
         out += _table(["shape", "method", "batch", "prompt", "new", "decode s", "steps", "acceptance", "γ mean",
                        "draft s", "verify s", "other s", "same tokens as first", "note"],
                       [[r.get("shape"), r.get("method"), r.get("batch"), r.get("prompt"), r.get("new_tokens"),
                         r.get("decode_s"), r.get("steps"), r.get("acceptance"), r.get("gamma_mean"),
                         r.get("draft_s"), r.get("verify_s"), r.get("other_s"), r.get("identical_to_first"),
-                        _fmt(r.get("error") or r.get("skipped") or "")] for r in issue26],
+                        _fmt(r.get("error") or r.get("skipped") or "")] for r in views],
                       "llrrrrrrrrrrll")
 
     skipped = report.get("skipped") or []

@@ -37,10 +37,10 @@ from hf_magicdec_bench import data, models
 #: MagicDec's options and the generation options both calls share.
 CASES = {
     "ragged-chat-eos-default": dict(lengths=[70, 200, 333], chat=True, eos=True, new=700, magicdec={}),
-    "verified-auto-int8": dict(lengths=[128] * 5, chat=False, eos=False, new=1500,
-                               magicdec=dict(draft="verified", gamma="auto", draft_weights="int8")),
-    "verified-every1-pages32": dict(lengths=[1000, 700], chat=False, eos=False, new=600,
-                                    magicdec=dict(draft="verified", draft_budget=128, every=1, page_size=32, gamma=4)),
+    "attended-auto-int8": dict(lengths=[128] * 5, chat=False, eos=False, new=1500,
+                               magicdec=dict(draft="attended", gamma="auto", draft_weights="int8")),
+    "attended-every1-pages32": dict(lengths=[1000, 700], chat=False, eos=False, new=600,
+                                    magicdec=dict(draft="attended", draft_budget=128, every=1, page_size=32, gamma=4)),
     "snapkv-ragged-chat-eos": dict(lengths=[90, 150, 210, 270, 330, 390, 450, 510], chat=True, eos=True, new=400,
                                    magicdec=dict(draft="snapkv", gamma="auto")),
     "batch1-default": dict(lengths=[30], chat=False, eos=False, new=2000, magicdec={}),
@@ -51,7 +51,7 @@ CASES = {
     "processors-default": dict(lengths=[100, 180], chat=False, eos=False, new=800, magicdec={},
                                common=dict(repetition_penalty=1.2, no_repeat_ngram_size=4)),
     "topk1-sampling-chat-eos": dict(lengths=[150] * 3, chat=True, eos=True, new=600,
-                                    magicdec=dict(draft="verified", gamma="auto"),
+                                    magicdec=dict(draft="attended", gamma="auto"),
                                     common=dict(do_sample=True, top_k=1, temperature=0.7)),
     # Opt-in (run only when named): the longest generations, 68 minutes on 2 CPU cores.
     "long-8k-default": dict(lengths=[128] * 8, chat=False, eos=False, new=8064, magicdec={}, opt_in=True),

@@ -1,10 +1,10 @@
 """Acceptance and decode time of draft views on one workload (SmolLM2-135M, real text, greedy).
 
-    python scripts/view_acceptance.py 8 256 512 128 3 streamingllm snapkv verified    # long generation
-    python scripts/view_acceptance.py 8 4096 128 256 3 snapkv verified:page_size=8 snapkv --draft-weights int8
+    python scripts/view_acceptance.py 8 256 512 128 3 streamingllm snapkv attended    # long generation
+    python scripts/view_acceptance.py 8 4096 128 256 3 snapkv attended:page_size=8 snapkv --draft-weights int8
 
 Arguments: batch, prompt tokens, new tokens, draft budget, γ (an int or ``auto``), then the views,
-each a name with optional ``:option=value`` view options (``verified:every=1:page_size=8``);
+each a name with optional ``:option=value`` view options (``attended:every=1:page_size=8``);
 ``--draft-weights full|int8|fp16`` (default full). The prompts are prefilled once
 (``hf_magicdec.shared_prefill``) and every view decodes from a copy of that cache, EOS ignored,
 checked token for token against plain decoding on MagicDec's cache (``gamma=0``, itself identical
@@ -19,7 +19,7 @@ the text's chunks ``k*batch .. (k+1)*batch - 1``, the views in reverse order on 
 with each view's steps, acceptance and decode seconds summed over the sets; ``--first-set K``
 (default 0) starts at set ``K``, so that a second run decodes other prompts than the first. Which view takes fewer
 steps on one batch can turn on rounding: the step count is the slowest row's, and a change of
-1e-7 in the verify attention's sums moved ``verified`` from 42 to 46 steps at 8 x 4K -> 128.
+1e-7 in the verify attention's sums moved ``attended`` from 42 to 46 steps at 8 x 4K -> 128.
 """
 
 import sys

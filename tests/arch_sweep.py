@@ -44,7 +44,7 @@ CASES: dict[str, dict[str, Any]] = {
     "streamingllm": dict(draft="streamingllm", budget=10, gamma=3, sink_tokens=2),
     "snapkv": dict(draft="snapkv", budget=10, gamma=2, window=4),
     # The verifier's attention mass chooses the view (prompt 24 + 12 new tokens outgrow its 10 slots).
-    "verified": dict(draft="verified", budget=10, gamma=3, sink_tokens=1, page_size=2, recent_window=4, window=4),
+    "attended": dict(draft="attended", budget=10, gamma=3, sink_tokens=1, page_size=2, recent_window=4, window=4),
 }
 #: Run for architectures with sliding-window layers, on a model built with ``SMALL_WINDOW``.
 WINDOW_CASE = dict(draft="streamingllm", budget=10, gamma=3, sink_tokens=2)

@@ -25,6 +25,11 @@ from transformers import (
 
 import hf_magicdec  # noqa: F401  (installs the routing)
 from hf_magicdec.views import DraftView, ScoreContext
+from triton_bridges import bridge_triton_interpreter  # tests/, on sys.path beside this conftest
+
+# torch 2.11 / Triton 3.6 under the interpreter; before any kernel module is imported (the library
+# imports hf_magicdec.kernels.triton_kernels at the first kernel call).
+bridge_triton_interpreter()
 
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 

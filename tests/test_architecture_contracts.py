@@ -49,7 +49,6 @@ def test_library_works_without_the_tooling():
 #: Triton (GPU kernels), transformers' DeepSpeed / FSDP helpers, whose home moved between releases, and
 #: torchao (quantized draft weights on CUDA).
 OPTIONAL_LOCAL_IMPORTS = {
-    ("hf_magicdec/compat.py", "triton.runtime"),  # the torch 2.11 / Triton 3.6 interpreter bridges
     ("hf_magicdec/engine/draft_weights.py", "torchao.quantization"),
     ("hf_magicdec/kernels/__init__.py", "hf_magicdec.kernels.triton_kernels"),
     ("hf_magicdec/parallel/lockstep.py", "transformers.integrations.deepspeed"),

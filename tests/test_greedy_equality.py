@@ -19,15 +19,15 @@ DRAFTS = {
     "streamingllm": dict(sink_tokens=4),
     "snapkv": dict(window=8),
     "dynamic": dict(sink_tokens=1, page_size=4, recent_window=7),
-    "verified": dict(sink_tokens=1, page_size=4, window=8),
+    "attended": dict(sink_tokens=1, page_size=4, window=8),
     "full": dict(),
     "recent-only": dict(static_tokens=3),  # the user's view (tests/conftest.py)
 }
 # Every registered view (the user's from conftest.py included), with a budget smaller than the
 # prompt and one larger than prompt + new tokens ("full" has no budget).
-# (verified holds everything at the large budget, as every view does there: the small budget is its case.)
+# (attended holds everything at the large budget, as every view does there: the small budget is its case.)
 VIEW_CASES = [(d, b) for d in available_views()
-              for b in (("-",) if d == "full" else ("small",) if d == "verified" else ("small", "large"))]
+              for b in (("-",) if d == "full" else ("small",) if d == "attended" else ("small", "large"))]
 COMPRESSING = [d for d in available_views() if d != "full"]
 
 

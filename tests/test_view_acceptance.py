@@ -17,7 +17,7 @@ pytestmark = pytest.mark.slow
 
 
 def test_prompt_sets_compare_every_view_on_each_set_and_total_them(capsys):
-    view_acceptance.main(["2", "128", "12", "64", "2", "verified:every=1", "snapkv", "snapkv",
+    view_acceptance.main(["2", "128", "12", "64", "2", "attended:every=1", "snapkv", "snapkv",
                           "--draft-weights", "int8", "--prompt-sets", "2"])
     lines = capsys.readouterr().out.splitlines()
     runs = [line for line in lines if " gamma 2 int8: " in line]
@@ -25,7 +25,7 @@ def test_prompt_sets_compare_every_view_on_each_set_and_total_them(capsys):
     assert [line.split()[2] for line in lines if "plain (gamma=0)" in line] == ["0", "1"]
     # Odd sets run the views in reverse order (drift spreads over all of them).
     order = [line.split()[3] for line in runs]
-    assert order == ["verified:every=1/64", "snapkv/64", "snapkv/64", "snapkv/64", "snapkv/64", "verified:every=1/64"]
+    assert order == ["attended:every=1/64", "snapkv/64", "snapkv/64", "snapkv/64", "snapkv/64", "attended:every=1/64"]
     steps, row_steps = {}, {}
     for line in runs:
         spec = line.split()[3].rsplit("/", 1)[0]
@@ -35,8 +35,8 @@ def test_prompt_sets_compare_every_view_on_each_set_and_total_them(capsys):
         steps[spec] = steps.get(spec, 0) + step
         row_steps[spec] = row_steps.get(spec, 0) + row_step
     totals = {line.split()[0]: line for line in lines if " runs (2 sets): " in line}
-    assert totals.keys() == {"snapkv", "verified:every=1"}
-    assert "over 4 runs" in totals["snapkv"] and "over 2 runs" in totals["verified:every=1"]
+    assert totals.keys() == {"snapkv", "attended:every=1"}
+    assert "over 4 runs" in totals["snapkv"] and "over 2 runs" in totals["attended:every=1"]
     for spec, line in totals.items():
         assert f": {steps[spec]} steps, {row_steps[spec]} row-steps," in line
 

@@ -16,17 +16,18 @@ from .engine.shared_prefill import shared_prefill
 from .notices import MagicDecWarning
 from .planning import device_model, plan
 from .routing import disable, enable, is_enabled, set_default_speculation
-from .views import DraftView, Dynamic, Full, SnapKV, StreamingLLM, Verified, available_views, get_view, register_view
+from .views import (AttendedPages, DraftView, DynamicPages, FullKV, SnapKV, StreamingLLM, available_views, get_view,
+                    register_view)
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "AttendedPages",
     "DraftView",
-    "Dynamic",
-    "Full",
+    "DynamicPages",
+    "FullKV",
     "SnapKV",
     "StreamingLLM",
-    "Verified",
     "MagicDecCache",
     "MagicDecConfig",
     "MagicDecOutput",

@@ -22,11 +22,11 @@ from .compat import cache_kwarg_to_past_key_values, generate_cache_name, past_ke
 from .config import MagicDecConfig, carried_options
 from .engine import attention
 from .engine.continuation import Continuation, check_cache, hand_back, outlives_call
-from .engine.draft_weights import QUANTIZED_FORMATS, check_draft_weights, draft_twin, has_twin
-from .engine.drafters import ModelDrafter, SelfDrafter, check_draft_model, twin_call
+from .engine.draft_weights import QUANTIZED_FORMATS, check_draft_weights, has_quantized_draft, quantized_draft
+from .engine.drafters import ModelDrafter, SelfDrafter, check_draft_model, quantized_draft_call
 from .engine.gamma import AdaptiveGamma, FixedGamma
 from .engine.loop import Engine, left_padding
-from .engine.observers import AcceptanceRecorder, Observers, ScoresRecorder, StatsRecorder, StreamerHook
+from .engine.observers import AcceptanceRecorder, Observers, ScoresRecorder, StatsRecorder, StreamerObserver
 from .engine.outputs import MagicDecOutput, SpeculationStats
 from .engine.compiled import StepGraphs
 from .engine.steps import ModelCall, compile_config_for
@@ -214,14 +214,14 @@ def _speculate(call: _Call, resolution: Resolution, draft_model):
                                    sampling=bool(gen.do_sample))
     chunk = gen.prefill_chunk_size or config.prefill_chunk_size
     target = ModelCall.of(call.model, call.compile_config)
-    twin = _twin(call.model, config.draft_weights)
+    quantized = _quantized_draft(call.model, config.draft_weights)
     drafter = (ModelDrafter(draft_model, config.view, config, chunk, gen.max_length, call.compile_config)
                if draft_model is not None else SelfDrafter(target, config.view, config,
-                                                           twin_call(twin, call.compile_config)))
+                                                           quantized_draft_call(quantized, call.compile_config)))
     stats = SpeculationStats(
         accepted_lengths=[[] for _ in range(batch)], row_gammas=[[] for _ in range(batch)], gamma=config.gamma,
         draft=config.draft_name, draft_budget=config.draft_budget, draft_model=drafter.name,
-        draft_weights=config.draft_weights, draft_weight_bytes=twin.nbytes if twin is not None else 0,
+        draft_weights=config.draft_weights, draft_weight_bytes=quantized.nbytes if quantized is not None else 0,
         adaptive_gamma=gamma.controller is not None,
         plan=resolution.plan.to_dict() if resolution.plan is not None else None,
     )
@@ -233,7 +233,7 @@ def _speculate(call: _Call, resolution: Resolution, draft_model):
         remember = AcceptanceRecorder(stats, functools.partial(record_acceptance, call.model, key, config.draft_budget))
     streamer = call.request.streamer
     observers = Observers(StatsRecorder(stats, call.input_ids.device), scores, remember,
-                          StreamerHook(streamer) if streamer is not None else None)
+                          StreamerObserver(streamer) if streamer is not None else None)
     graphs = StepGraphs(call.compile_config) if call.compile_config is not None else None
     engine = Engine(target, drafter, gen, call.logits_processor, call.stopping_criteria, chunk, scratch, gamma,
                     observers, call.lockstep, graphs)
@@ -256,19 +256,19 @@ def _bounded(config: MagicDecConfig, prompt: int, new_tokens: int) -> MagicDecCo
     return config.replace(draft_budget=budget)
 
 
-def _twin(model, fmt: str):
-    """The model's draft twin in ``fmt`` (None for full weights); building one is said once."""
+def _quantized_draft(model, fmt: str):
+    """The model's quantized draft in ``fmt`` (None for full weights); building one is said once."""
     if fmt not in QUANTIZED_FORMATS:
         return None
-    fresh = not has_twin(model, fmt)
+    fresh = not has_quantized_draft(model, fmt)
     t0 = time.perf_counter()
-    twin = draft_twin(model, fmt)
+    draft = quantized_draft(model, fmt)
     if fresh:
         notice(f"speculative='magicdec' built {fmt} draft weights for {type(model).__name__} in "
-               f"{time.perf_counter() - t0:.1f} s ({twin.nbytes / 2**20:.0f} MiB beside the model; the target still "
+               f"{time.perf_counter() - t0:.1f} s ({draft.nbytes / 2**20:.0f} MiB beside the model; the target still "
                "verifies in full precision); later calls reuse them while the model's weights are unchanged.",
                stacklevel=6)
-    return twin
+    return draft
 
 
 def _outputs(call: _Call, engine: Engine, sequences, stats: SpeculationStats, scores: ScoresRecorder | None):

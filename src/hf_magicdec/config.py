@@ -20,6 +20,7 @@ from typing import Any
 
 from transformers import CompileConfig
 
+from .checks import is_int
 from .defaults import (  # noqa: F401  (re-exported: part of this module's public names)
     AUTO,
     DEFAULT_BUDGET,
@@ -40,10 +41,6 @@ from .views import DraftView, available_views, get_view, likely_names, view_opti
 
 #: Method names accepted by ``generate(speculative=...)``.
 SPECULATIVE_METHODS = ("magicdec",)
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _check_registered(view: DraftView) -> None:
@@ -90,13 +87,13 @@ class MagicDecConfig:
     draft : DraftView or "auto"
         The draft view, an instance of a registered view: :class:`~hf_magicdec.StreamingLLM`
         (sink tokens + recent window), :class:`~hf_magicdec.SnapKV` (per-KV-head selection scored
-        by the last ``window`` prompt queries + recent window), :class:`~hf_magicdec.Dynamic` (pages
+        by the last ``window`` prompt queries + recent window), :class:`~hf_magicdec.DynamicPages` (pages
         re-selected from each draft query, Quest-style; see ``docs/draft_views.md``),
-        :class:`~hf_magicdec.Full` (the whole cache; every draft token is accepted, a sanity
+        :class:`~hf_magicdec.FullKV` (the whole cache; every draft token is accepted, a sanity
         mode), or your own; ``"auto"``: the planner picks one of ``candidates``.
     draft_budget : int or "auto"
         Tokens of KV per layer, per row and per KV head that the draft attends to (static
-        selection plus rolling recent window). Ignored by ``Full``.
+        selection plus rolling recent window). Ignored by ``FullKV``.
     gamma : int or "auto"
         Draft tokens per verification step (γ). Each step verifies γ+1 tokens. ``0`` turns
         drafting off: plain autoregressive decoding on the MagicDec cache (the benchmark's
@@ -182,11 +179,11 @@ class MagicDecConfig:
         self._check_draft()
         for name in ("prefill_chunk_size", "max_gamma"):
             value = getattr(self, name)
-            if not _is_int(value):
+            if not is_int(value):
                 raise ValueError(f"{name} must be an int, got {value!r} ({type(value).__name__}).")
         for name in ("draft_budget", "gamma"):
             value = getattr(self, name)
-            if value != AUTO and not _is_int(value):
+            if value != AUTO and not is_int(value):
                 raise ValueError(f"{name} must be an int or 'auto', got {value!r} ({type(value).__name__}).")
         if self.draft_budget != AUTO and self.draft_budget < 1:
             raise ValueError(f"draft_budget must be >= 1, got draft_budget={self.draft_budget}.")
@@ -200,7 +197,7 @@ class MagicDecConfig:
             get_hardware(self.hardware)  # names the bad value
         if self.prefill_chunk_size < 1:
             raise ValueError(f"prefill_chunk_size must be >= 1, got prefill_chunk_size={self.prefill_chunk_size}.")
-        if self.refresh_every is not None and (not _is_int(self.refresh_every) or self.refresh_every < 1):
+        if self.refresh_every is not None and (not is_int(self.refresh_every) or self.refresh_every < 1):
             raise ValueError(f"refresh_every must be a positive int or None, got refresh_every={self.refresh_every!r}.")
         below = self.refresh_below
         if below is not None and (isinstance(below, bool) or not isinstance(below, (int, float)) or not 0 < below <= 1):

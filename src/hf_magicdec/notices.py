@@ -1,7 +1,7 @@
 """What a call decided that changes what the user gets, said where they see it.
 
 Decisions that alter speed or memory but never the tokens (the planner chose plain decoding, the
-draft weights, a twin was built) are logged at INFO; the ones a user would otherwise believe did
+draft weights, a quantized draft was built) are logged at INFO; the ones a user would otherwise believe did
 not happen are also said once as a :class:`MagicDecWarning` (a ``UserWarning``), which Python
 shows once per place and message, so a training loop that repeats the same call sees it once.
 Silence them with ``warnings.filterwarnings("ignore", category=hf_magicdec.MagicDecWarning)``.

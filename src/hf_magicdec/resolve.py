@@ -244,7 +244,7 @@ def search_space(config: MagicDecConfig, target: Target | None, draft_model, cap
 
 def _weight_candidates(config: MagicDecConfig, target: Target | None, draft_model, captured: bool) -> tuple[str, ...]:
     """Draft weights the planner weighs: the explicit one, or for ``"auto"`` full precision and the
-    quantized formats this model and device can run (self-drafting only; a CPU twin runs eagerly,
+    quantized formats this model and device can run (self-drafting only; a CPU quantized draft runs eagerly,
     so not when the steps are captured; a config without weights: the device's formats)."""
     if config.draft_weights != AUTO:
         return (config.draft_weights,)

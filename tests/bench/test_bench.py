@@ -41,7 +41,7 @@ def test_budgets_that_hold_the_whole_generation_are_skipped():
     configs = spec.configs(256)
     assert [(draft_name(c), c.draft_budget) for c in configs] == [("streamingllm", 64), ("full", 64), ("full", 512)]
     # A long generation outgrows a view that holds the prompt: that budget compresses from then on.
-    long = BenchSpec(budgets=(256, 2048), drafts=("verified",), gammas=(2,), new_tokens=1024)
+    long = BenchSpec(budgets=(256, 2048), drafts=("attended",), gammas=(2,), new_tokens=1024)
     assert [c.draft_budget for c in long.configs(256)] == [256]
 
 

@@ -48,54 +48,56 @@ def test_compressed_draft_is_lossless(tiny_models, arch, draft, fmt):
 
 def test_target_never_runs_quantized_and_is_left_as_it_was():
     """Prefill and verification call the model's own linear layers; only draft forwards call the
-    twin's. The model's modules, weights and state_dict are unchanged."""
+    quantized draft's. The model's modules, weights and state_dict are unchanged."""
     model = make_model("llama-gqa3", seed=2)
     before = {k: v.clone() for k, v in model.state_dict().items()}
     types = {n: type(m) for n, m in model.named_modules()}
     ids, mask = ragged_prompts(batch=3, length=40, seed=2)
-    calls = {"target": 0, "twin": 0}
+    calls = {"target": 0, "quantized": 0}
     handle = model.lm_head.register_forward_hook(lambda *a: calls.__setitem__("target", calls["target"] + 1))
-    twin = dw.draft_twin(model, "int8").module
-    twin_handle = twin.lm_head.register_forward_hook(lambda *a: calls.__setitem__("twin", calls["twin"] + 1))
+    draft = dw.quantized_draft(model, "int8").module
+    draft_handle = draft.lm_head.register_forward_hook(
+        lambda *a: calls.__setitem__("quantized", calls["quantized"] + 1))
     try:
         out = _generate(model, ids, mask, speculative="magicdec", draft="streamingllm", draft_budget=12,
                         sink_tokens=2, gamma=2, draft_weights="int8", prefill_chunk_size=1000,
                         return_dict_in_generate=True)
     finally:
         handle.remove()
-        twin_handle.remove()
+        draft_handle.remove()
     s = out.speculation
     assert calls["target"] == 1 + s.steps  # one prefill forward + one verification per step
-    assert calls["twin"] == sum(s.gamma_trace) if s.gamma_trace else calls["twin"] == 2 * s.steps
+    assert calls["quantized"] == sum(s.gamma_trace) if s.gamma_trace else calls["quantized"] == 2 * s.steps
     assert {n: type(m) for n, m in model.named_modules()} == types
     after = model.state_dict()
     assert after.keys() == before.keys() and all(torch.equal(before[k], after[k]) for k in before)
 
 
-def test_twin_shares_everything_but_the_linear_layers_and_is_cached():
+def test_quantized_draft_shares_everything_but_the_linear_layers_and_is_cached():
     model = make_model("qwen2-gqa7", seed=3)
-    twin = dw.draft_twin(model, "int8")
-    assert dw.draft_twin(model, "int8") is twin
+    draft = dw.quantized_draft(model, "int8")
+    assert dw.quantized_draft(model, "int8") is draft
     linears = [m for m in model.modules() if type(m) is nn.Linear]
-    assert twin.linears == len(linears) and twin.nbytes > 0
-    assert not any(type(m) is nn.Linear for m in twin.module.modules())
-    assert twin.module.model.embed_tokens.weight is model.model.embed_tokens.weight
-    assert twin.module.model.norm.weight is model.model.norm.weight
-    assert twin.module.config is model.config
-    # An in-place update of the model's weights makes a new twin (stale drafts would only cost acceptance).
+    assert draft.linears == len(linears) and draft.nbytes > 0
+    assert not any(type(m) is nn.Linear for m in draft.module.modules())
+    assert draft.module.model.embed_tokens.weight is model.model.embed_tokens.weight
+    assert draft.module.model.norm.weight is model.model.norm.weight
+    assert draft.module.config is model.config
+    # An in-place update of the model's weights makes a new quantized draft (stale drafts would only cost
+    # acceptance).
     with torch.no_grad():
         model.lm_head.weight.mul_(1.5)
-    assert dw.draft_twin(model, "int8") is not twin
+    assert dw.quantized_draft(model, "int8") is not draft
 
 
-def test_twin_is_freed_with_the_model():
+def test_quantized_draft_is_freed_with_the_model():
     model = make_model("llama-gqa3", seed=5)
-    dw.draft_twin(model, "int8")
-    assert model in dw._TWINS
-    count = len(dw._TWINS)
+    dw.quantized_draft(model, "int8")
+    assert model in dw._QUANTIZED
+    count = len(dw._QUANTIZED)
     del model
     gc.collect()
-    assert len(dw._TWINS) == count - 1
+    assert len(dw._QUANTIZED) == count - 1
 
 
 @pytest.mark.parametrize("fmt", ["int8", pytest.param("fp16", marks=needs_fp16)])
@@ -189,11 +191,11 @@ def test_quantized_acceptance_prior_is_below_the_views():
 
 
 @needs_fp16
-def test_fp16_twin_halves_the_weight_bytes_and_keeps_the_logits():
-    """fp16 weights, fp32 math: the twin's logits stay within fp16 rounding of the model's, where
-    int8's 7-bit activations move them far more (what costs int8 its acceptance)."""
+def test_fp16_quantized_draft_halves_the_weight_bytes_and_keeps_the_logits():
+    """fp16 weights, fp32 math: the quantized draft's logits stay within fp16 rounding of the model's,
+    where int8's 7-bit activations move them far more (what costs int8 its acceptance)."""
     model = make_model("llama-gqa3", seed=9)
-    fp16, int8 = dw.draft_twin(model, "fp16"), dw.draft_twin(model, "int8")
+    fp16, int8 = dw.quantized_draft(model, "fp16"), dw.quantized_draft(model, "int8")
     weights = sum(m.weight.numel() for m in model.modules() if type(m) is nn.Linear)
     assert fp16.nbytes == 2 * weights and fp16.linears == int8.linears
     ids = torch.randint(3, 50, (4, 16), generator=torch.Generator().manual_seed(0))
@@ -292,20 +294,20 @@ def test_int8_is_refused_on_cpu_once_pytorch_drops_its_quantized_linear(monkeypa
 
 def test_a_forward_rebound_to_its_own_module_is_not_a_patch():
     """``monkeypatch.setattr(model, "forward", ...)`` leaves the class's forward bound to the model
-    in its ``__dict__`` when undone: not a patch, and the twin must not inherit it (it would run the
+    in its ``__dict__`` when undone: not a patch, and the quantized draft must not inherit it (it would run the
     model's full-weight forward)."""
     model = make_model("llama-gqa3", seed=7)
     model.forward = model.forward  # what monkeypatch's undo leaves behind
     dw.check_draft_weights(model, "int8", CPU)
-    twin = dw.draft_twin(model, "int8").module
-    assert "forward" not in vars(twin)
+    draft = dw.quantized_draft(model, "int8").module
+    assert "forward" not in vars(draft)
     calls = []
     handle = model.lm_head.register_forward_hook(lambda *a: calls.append(1))
     try:
-        twin(input_ids=torch.tensor([[3, 4, 5]]))
+        draft(input_ids=torch.tensor([[3, 4, 5]]))
     finally:
         handle.remove()
-    assert not calls  # the twin ran its own (quantized) layers
+    assert not calls  # the quantized draft ran its own (quantized) layers
     model.forward = lambda *a, **k: None  # a real patch is still refused
     with pytest.raises(ValueError, match="patched forward"):
         dw.check_draft_weights(model, "int8", CPU)

@@ -329,20 +329,20 @@ def test_near_ties_go_to_the_candidate_with_more_to_gain(monkeypatch):
     import hf_magicdec.planner.search as search
 
     spec = ModelSpec.from_config(SMOLLM2_135M)
-    # verified choosing after every verification (every=1): its choice costs enough that the prior
+    # attended choosing after every verification (every=1): its choice costs enough that the prior
     # alone puts it a hair behind SnapKV.
-    views = (get_view("streamingllm"), get_view("snapkv"), get_view("verified", every=1))
+    views = (get_view("streamingllm"), get_view("snapkv"), get_view("attended", every=1))
     workload = dict(batch_size=8, prompt_len=256, new_tokens=512, hardware="cpu", drafts=views,
                     draft_weights=("full", "int8", "fp16"), schedule=True)
     chosen = search_plan(spec, **workload)
-    assert chosen.draft == "verified"
+    assert chosen.draft == "attended"
     assert all(e.speedup <= chosen.predicted_speedup * (1 + 2 * search.NEAR_TIE) for e in chosen.runner_ups)
     monkeypatch.setattr(search, "NEAR_TIE", 0.0)
-    assert search_plan(spec, **workload).draft != "verified"  # by the prior alone: a coin toss near 1.0x
-    assert search_plan(spec, **{**workload, "prompt_len": 256, "new_tokens": 4096}).draft == "verified"  # a clear win
-    # Where the context is the prompt, verified's prior leads SnapKV's by the lead measured there (0.05 at
+    assert search_plan(spec, **workload).draft != "attended"  # by the prior alone: a coin toss near 1.0x
+    assert search_plan(spec, **{**workload, "prompt_len": 256, "new_tokens": 4096}).draft == "attended"  # a clear win
+    # Where the context is the prompt, attended's prior leads SnapKV's by the lead measured there (0.05 at
     # 8 x 4K -> 128), which outweighs its dearer choices; without that lead SnapKV's cheaper steps win.
     long_prompt = {**workload, "prompt_len": 4096, "new_tokens": 128}
-    assert search_plan(spec, **long_prompt).draft == "verified"
-    monkeypatch.setattr(acceptance, "VERIFIED_PROMPT_LEAD", 0.0)
+    assert search_plan(spec, **long_prompt).draft == "attended"
+    monkeypatch.setattr(acceptance, "ATTENDED_PROMPT_LEAD", 0.0)
     assert search_plan(spec, **long_prompt).draft == "snapkv"

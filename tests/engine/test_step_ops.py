@@ -22,7 +22,7 @@ BUDGET = 150
 VIEWS = {
     "streamingllm": dict(sink_tokens=4),
     "snapkv": dict(window=8),
-    "verified": dict(page_size=8, recent_window=8),
+    "attended": dict(page_size=8, recent_window=8),
     "dynamic": dict(page_size=8),
     "full": dict(),
 }

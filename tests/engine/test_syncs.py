@@ -62,7 +62,7 @@ CASES = {
     # Length-dependent processors transformers ships, each position checked against its own length.
     "min_new_tokens and min_length": dict(gamma=3, min_new_tokens=12, min_length=30),
     # The verification-guided view re-chooses its static part after every verification, masked.
-    "verified, adaptive γ": dict(draft="verified", draft_budget=24, page_size=4, recent_window=6,
+    "attended, adaptive γ": dict(draft="attended", draft_budget=24, page_size=4, recent_window=6,
                                  gamma="auto", adaptive_gamma=True),
 }
 
@@ -75,7 +75,7 @@ def test_one_host_read_per_step(monkeypatch, case):
     options = {"draft": "streamingllm", "draft_budget": 12, "sink_tokens": 2, "draft_weights": "full", **CASES[case]}
     # Without the cache hand-back (once per generation, counted below), so that the difference
     # between a short and a long run is the per-step reads alone; a first call builds what later
-    # calls reuse (a quantized draft twin), once per model.
+    # calls reuse (a quantized draft), once per model.
     monkeypatch.setattr(hf_magicdec.api, "outlives_call", lambda cache, gen: False)
     _reads_and_steps(model, 4, **options)
     short_reads, short_steps, _ = _reads_and_steps(model, 20, **options)

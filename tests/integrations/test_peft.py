@@ -95,11 +95,11 @@ def _quantized_kernel_available(fmt: str) -> bool:
 
 @pytest.mark.parametrize("mode", ["eval", "train"])
 @pytest.mark.parametrize("fmt", ["int8", "fp16"])
-def test_quantized_draft_twin_carries_the_adapters_or_is_refused(fmt, mode):
+def test_quantized_draft_carries_the_adapters_or_is_refused(fmt, mode):
     """Either refused before any forward with a message naming the adapters, or identical output
-    with an acceptance that shows the twin drafts *with* the adapters: with the ``full`` view the
+    with an acceptance that shows the quantized draft drafts *with* the adapters: with the ``full`` view the
     draft differs from the target only by the quantized weights (a plain model accepts > 0.95
-    there), while a twin without the adapters would draft the base model, which agrees with the
+    there), while a quantized draft without the adapters would draft the base model, which agrees with the
     adapted one on no token of this prompt batch. In training mode (TRL) the model's flags, the
     adapters' included, stay as they were."""
     if not _quantized_kernel_available(fmt):
@@ -124,7 +124,7 @@ def test_quantized_draft_twin_carries_the_adapters_or_is_refused(fmt, mode):
 
 def test_auto_draft_weights_on_a_lora_model_identical_to_stock():
     """The default ``draft_weights="auto"``: with the view and budget explicit and γ left to the
-    planner, the planner also picks the draft weights (on this CPU preset: a quantized twin where a
+    planner, the planner also picks the draft weights (on this CPU preset: a quantized draft where a
     kernel exists). Whatever it picks, a LoRA model must generate exactly as its stock generate."""
     if not (_quantized_kernel_available("int8") or _quantized_kernel_available("fp16")):
         pytest.skip("no quantized draft kernel on this machine: the planner can only pick full weights")

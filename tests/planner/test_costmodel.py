@@ -275,30 +275,30 @@ def test_default_acceptance_values_and_shape():
     assert 0.05 <= default_acceptance("streamingllm", 1, 10**7) <= 0.99
 
 
-def test_verified_prior_grows_with_the_share_of_the_context_the_generation_wrote():
+def test_attended_prior_grows_with_the_share_of_the_context_the_generation_wrote():
     # Where the context is the prompt (measured 0.04-0.07 above SnapKV since it chooses from the first
     # verification), SnapKV's prior plus the prompt's lead; the lead grows with the generated share and
     # is whole from a quarter of the context on (long generations).
-    from hf_magicdec.planner.acceptance import VERIFIED_PROMPT_LEAD
+    from hf_magicdec.planner.acceptance import ATTENDED_PROMPT_LEAD
 
     snapkv = default_acceptance("snapkv", 256, 4096)
-    on_prompt = snapkv + VERIFIED_PROMPT_LEAD
-    assert VERIFIED_PROMPT_LEAD == pytest.approx(0.05)
-    assert default_acceptance("verified", 256, 4096) == pytest.approx(on_prompt)  # prompt unknown: all prompt
-    assert default_acceptance("verified", 256, 4096, prompt_len=4096) == pytest.approx(on_prompt)
-    assert default_acceptance("verified", 256, 4096, prompt_len=3584) == pytest.approx((on_prompt + 0.93) / 2)
-    assert default_acceptance("verified", 256, 4096, prompt_len=3072) == pytest.approx(0.93)
-    assert default_acceptance("verified", 256, 4096, prompt_len=256) == pytest.approx(0.93)
-    assert default_acceptance("verified@int8", 256, 4096, prompt_len=256) == pytest.approx(0.93 - 0.06)
+    on_prompt = snapkv + ATTENDED_PROMPT_LEAD
+    assert ATTENDED_PROMPT_LEAD == pytest.approx(0.05)
+    assert default_acceptance("attended", 256, 4096) == pytest.approx(on_prompt)  # prompt unknown: all prompt
+    assert default_acceptance("attended", 256, 4096, prompt_len=4096) == pytest.approx(on_prompt)
+    assert default_acceptance("attended", 256, 4096, prompt_len=3584) == pytest.approx((on_prompt + 0.93) / 2)
+    assert default_acceptance("attended", 256, 4096, prompt_len=3072) == pytest.approx(0.93)
+    assert default_acceptance("attended", 256, 4096, prompt_len=256) == pytest.approx(0.93)
+    assert default_acceptance("attended@int8", 256, 4096, prompt_len=256) == pytest.approx(0.93 - 0.06)
     # The budget moves it as it moves every view.
-    assert default_acceptance("verified", 128, 4096) == pytest.approx(on_prompt - 0.05)
+    assert default_acceptance("attended", 128, 4096) == pytest.approx(on_prompt - 0.05)
     # Other views do not depend on it.
     for view in ("snapkv", "streamingllm"):
         assert default_acceptance(view, 256, 4096, prompt_len=256) == default_acceptance(view, 256, 4096)
-    assert resolve_acceptance(None, "verified", 256, 4096, 256) == pytest.approx(0.93)
-    assert resolve_acceptance({"snapkv": 0.5}, "verified", 256, 4096, 4096) == pytest.approx(on_prompt)
+    assert resolve_acceptance(None, "attended", 256, 4096, 256) == pytest.approx(0.93)
+    assert resolve_acceptance({"snapkv": 0.5}, "attended", 256, 4096, 4096) == pytest.approx(on_prompt)
     with pytest.raises(ValueError, match="prompt_len"):
-        default_acceptance("verified", 256, 4096, prompt_len=-1)
+        default_acceptance("attended", 256, 4096, prompt_len=-1)
 
 
 def test_resolve_acceptance():
@@ -549,7 +549,7 @@ def test_calibration_round_trip_and_plan(tmp_path):
     assert "measured ms" in back.table()
     hw = back.hardware("cpu")
     assert hw.name == "cpu-test (calibrated)" and hw.overhead == pytest.approx(4e-3, rel=1e-3)
-    # A CPU runs the twin (verified's mass unfused), a GPU the Triton kernel, whatever the base preset.
+    # A CPU runs the twin (attended's mass unfused), a GPU the Triton kernel, whatever the base preset.
     assert not hw.fused_mass and dataclasses.replace(back, device="cuda-h200").hardware("cpu").fused_mass
     p = plan(spec, batch_size=8, prompt_len=4096, new_tokens=128, hardware="cpu", calibration=back)
     assert p.hardware == "cpu-test (calibrated)"
@@ -600,7 +600,7 @@ def test_calibrate_smoke_on_tiny_model(tmp_path):
 
     from hf_magicdec.engine.draft_weights import supported_formats
 
-    # Per point: T_T, T_V(1), T_V(3), T_D(32), and T_D(32) on each CPU draft twin (int8; fp16 on x86).
+    # Per point: T_T, T_V(1), T_V(3), T_D(32), and T_D(32) on each CPU quantized draft (int8; fp16 on x86).
     formats = set(supported_formats(torch.device("cpu")))
     assert len(result.measurements) == 2 * (4 + len(formats)) and set(result.quantized_flops) == formats
     path = cal.calibration_path("tiny", result.spec, result.device, result.dtype, tmp_path)

@@ -15,7 +15,7 @@ import hf_magicdec
 from conftest import RecentOnly, ragged_prompts
 from hf_magicdec import MagicDecConfig
 from hf_magicdec import views as views_module
-from hf_magicdec.views import Dynamic, Full, SnapKV, StreamingLLM, Verified, get_view, register_view
+from hf_magicdec.views import AttendedPages, DynamicPages, FullKV, SnapKV, StreamingLLM, get_view, register_view
 
 
 # ---------------------------------------------------------------------------------- the views
@@ -27,14 +27,14 @@ from hf_magicdec.views import Dynamic, Full, SnapKV, StreamingLLM, Verified, get
         (lambda: SnapKV(window=0), r"window must be >= 1, got window=0"),
         (lambda: SnapKV(pool_kernel=4), r"pool_kernel must be a positive odd int, got pool_kernel=4"),
         (lambda: SnapKV(recent_window=0), r"recent_window must be a positive int or None, got recent_window=0"),
-        (lambda: Dynamic(page_size=0), r"page_size must be a positive int, got page_size=0"),
-        (lambda: Dynamic(recent_window=True), r"recent_window .* got recent_window=True"),
+        (lambda: DynamicPages(page_size=0), r"page_size must be a positive int, got page_size=0"),
+        (lambda: DynamicPages(recent_window=True), r"recent_window .* got recent_window=True"),
         (lambda: get_view("snapkv", window="8"), r"window must be an int, got '8' \(str\)"),
         (lambda: get_view("snapkv", sink_tokens=2), r"'snapkv' draft view has no option\(s\) \['sink_tokens'\]"),
         (lambda: MagicDecConfig.from_any(draft="snapkv", pool_kernel=4), "pool_kernel"),
         (lambda: MagicDecConfig.from_any(pool_kernel=4), "pool_kernel"),  # "auto": checked by the views that have it
         (lambda: MagicDecConfig.from_any(draft="dynamic", page_size=0), "page_size"),
-        # "auto" chooses among streamingllm, snapkv and verified: another view's option is refused, naming the view
+        # "auto" chooses among streamingllm, snapkv and attended: another view's option is refused, naming the view
         (lambda: MagicDecConfig.from_any(static_tokens=3),
          r"belong to the 'recent-only' draft view.*pass draft='recent-only'"),
     ],
@@ -51,9 +51,9 @@ def test_views_are_frozen_dataclasses():
     assert view.options() == {"window": 16, "recent_window": None, "pool_kernel": 5}
     with pytest.raises(dataclasses.FrozenInstanceError):
         view.window = 8
-    assert SnapKV.name == "snapkv" and Dynamic.query_aware and not SnapKV.query_aware
-    assert StreamingLLM.option_names() == ("sink_tokens",) and Full.option_names() == ()
-    assert Dynamic() == Dynamic(sink_tokens=16, page_size=16, recent_window=None)  # defaults.py
+    assert SnapKV.name == "snapkv" and DynamicPages.query_aware and not SnapKV.query_aware
+    assert StreamingLLM.option_names() == ("sink_tokens",) and FullKV.option_names() == ()
+    assert DynamicPages() == DynamicPages(sink_tokens=16, page_size=16, recent_window=None)  # defaults.py
 
 
 def test_geometry_takes_budget_and_gamma():
@@ -61,7 +61,7 @@ def test_geometry_takes_budget_and_gamma():
     assert (snap.static_slots(128, 1000), snap.window_slots(128, 3, 1000, 64)) == (88, 40)
     assert snap.observation_window() == 16 and StreamingLLM().observation_window() == 0
     assert StreamingLLM(sink_tokens=4).window_slots(16, 3, 0, 0) == 12
-    assert Full().window_slots(16, 3, 100, 20) == 124
+    assert FullKV().window_slots(16, 3, 100, 20) == 124
     with pytest.raises(ValueError, match="sink_tokens"):
         StreamingLLM(sink_tokens=16).check(16, 3)
     with pytest.raises(ValueError, match=r"gamma \+ 1"):
@@ -85,14 +85,14 @@ def test_config_holds_a_view_and_from_any_parses_names_and_flat_options():
     assert MagicDecConfig().view is None and MagicDecConfig().draft_name == "auto"
     # "auto": each option goes to the candidates that have it; choosing a view keeps the ones it has.
     auto = MagicDecConfig.from_any(sink_tokens=2, window=8)
-    assert auto.candidates == (StreamingLLM(sink_tokens=2), SnapKV(window=8), Verified(sink_tokens=2, window=8))
-    assert MagicDecConfig().candidates == (StreamingLLM(), SnapKV(), Verified())
+    assert auto.candidates == (StreamingLLM(sink_tokens=2), SnapKV(window=8), AttendedPages(sink_tokens=2, window=8))
+    assert MagicDecConfig().candidates == (StreamingLLM(), SnapKV(), AttendedPages())
     assert MagicDecConfig.from_any(auto, draft="snapkv").view == SnapKV(window=8)
     assert MagicDecConfig.from_any(auto, draft=SnapKV(pool_kernel=3)).view == SnapKV(pool_kernel=3)
     assert MagicDecConfig.from_any(auto.to_dict()) == auto
     assert MagicDecConfig.from_any(draft=SnapKV(), window=32) == MagicDecConfig.from_any(draft="snapkv", window=32)
     only = MagicDecConfig.from_any(candidates=["dynamic"], page_size=8)
-    assert only.candidates == (Dynamic(page_size=8),) and MagicDecConfig.from_any(only.to_dict()) == only
+    assert only.candidates == (DynamicPages(page_size=8),) and MagicDecConfig.from_any(only.to_dict()) == only
     # The constructor takes the one representation: names go through from_any.
     with pytest.raises(ValueError, match=r"takes a view instance .* got the name 'snapkv'.*from_any"):
         MagicDecConfig(draft="snapkv")

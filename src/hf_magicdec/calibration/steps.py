@@ -18,8 +18,8 @@ import torch
 from ..config import AUTO, MagicDecConfig
 from ..engine import attention
 from ..engine.cache import CacheOptions, MagicDecCache
-from ..engine.draft_weights import check_draft_weights, draft_twin
-from ..engine.drafters import new_cache, twin_call
+from ..engine.draft_weights import check_draft_weights, quantized_draft
+from ..engine.drafters import new_cache, quantized_draft_call
 from ..engine.steps import ModelCall, draft_step, prefill, verify_step
 from ..planner._checks import check_int
 from ..planner.modelspec import ModelSpec
@@ -126,7 +126,7 @@ def measure_steps(
         ``mode="reduce-overhead"`` captures CUDA graphs). None: eager. The first (warm-up) round
         includes the compilation.
     draft_weights : str
-        ``"int8"`` / ``"fp16"`` / ``"int4"``: also time the draft steps on the model's quantized twin
+        ``"int8"`` / ``"fp16"`` / ``"int4"``: also time the draft steps on the model's quantized draft
         (:mod:`hf_magicdec.engine.draft_weights`; ``StepTimes.t_draft_quantized``), as
         ``draft_weights=`` runs them. ``"full"``: the full-precision draft only.
     capacity : int, optional
@@ -159,7 +159,8 @@ def measure_steps(
     tokens = torch.randint(0, model.config.vocab_size, (batch, q_max), generator=rng).to(device)
     with torch.no_grad(), attention.switched(model):
         call = ModelCall.of(model, compile_config)
-        twin = twin_call(draft_twin(model, draft_weights), compile_config) if quantized else None
+        quantized_call = (quantized_draft_call(quantized_draft(model, draft_weights), compile_config)
+                          if quantized else None)
         compiled = call.compiled is not None
         t0 = time.perf_counter()
         cache = _timing_cache(model, batch, context, capacity or context + q_max + 1, view.observation_window(),
@@ -167,7 +168,7 @@ def measure_steps(
         cache.build_draft_views(view, budgets[0], 1, context, 64)
         sync()
         prefill_seconds = time.perf_counter() - t0
-        jobs = _jobs(call, twin, cache, view, tokens, gammas, budgets, context)
+        jobs = _jobs(call, quantized_call, cache, view, tokens, gammas, budgets, context)
         # Compiled: one graph per budget and verify width, more than dynamo's default limit of 8.
         limit = torch._dynamo.config.patch(recompile_limit=64) if compiled else contextlib.nullcontext()
         with limit:
@@ -195,7 +196,7 @@ def _check_sizes(batch, context, repeats, gammas, budgets, statistic, input_ids,
                              f"{context + max(gammas) + 2}; got {capacity=}.")
 
 
-def _jobs(call, twin, cache, view, tokens, gammas, budgets, context) -> dict:
+def _jobs(call, quantized_call, cache, view, tokens, gammas, budgets, context) -> dict:
     """The timed forwards: ``key -> (before, fn, after)`` for :func:`_time_rounds`."""
     zeros = torch.zeros(tokens.shape[0], dtype=torch.long, device=tokens.device)
 
@@ -220,7 +221,7 @@ def _jobs(call, twin, cache, view, tokens, gammas, budgets, context) -> dict:
     jobs.update({("verify", g): (None, lambda g=g: verify(g + 1), rollback) for g in gammas})
     jobs.update({("draft", k): (use_view(k), lambda: draft_step(call, cache, tokens[:, :1], 0), None)
                  for k in budgets})
-    if twin is not None:
-        jobs.update({("draft_q", k): (use_view(k), lambda: draft_step(twin, cache, tokens[:, :1], 0), None)
+    if quantized_call is not None:
+        jobs.update({("draft_q", k): (use_view(k), lambda: draft_step(quantized_call, cache, tokens[:, :1], 0), None)
                      for k in budgets})
     return jobs

@@ -197,7 +197,7 @@ class Calibration:
         """
         fitted = Fit(self.bandwidth, self.flops, self.overhead, self.overlap, self.rel_rms_error)
         hardware = fitted.hardware(base, self.dtype, name=f"{self.device} (calibrated)")
-        # Only CUDA runs the Triton kernel that emits verified's mass fused; a CPU runs the twin.
+        # Only CUDA runs the Triton kernel that emits attended's mass fused; a CPU runs the twin.
         hardware = hardware.replace(fused_mass=not self.device.startswith("cpu"))
         if not self.quantized_flops:
             return hardware

@@ -1,13 +1,13 @@
 """Draft weights: the self-draft may read its linear layers from a compressed copy.
 
 A draft token never reaches the user unverified, so the draft forward may use cheaper weights:
-only the acceptance can change, never the output. :func:`draft_twin` returns a *twin* of the model
+only the acceptance can change, never the output. :func:`quantized_draft` returns a *quantized draft* of the model
 for the draft forwards: a shallow copy of its module tree that shares every parameter, buffer and
 config with the model, except that each ``nn.Linear`` (LM head included) is replaced by a quantized
 copy. The model itself is never altered: its modules, weights and ``state_dict`` stay as they are,
-prefill and verification run it unchanged, and the twin is cached beside it (in a
+prefill and verification run it unchanged, and the quantized draft is cached beside it (in a
 ``WeakKeyDictionary``, not as an attribute, which would register it as a submodule) and freed with
-it. A twin whose source weights were replaced or modified in place since it was made is rebuilt.
+it. A quantized draft whose source weights were replaced or modified in place since it was made is rebuilt.
 
 Formats and kernels (chosen by speed measured on this project's CPUs, ``docs/benchmarks.md``):
 
@@ -25,9 +25,9 @@ Formats and kernels (chosen by speed measured on this project's CPUs, ``docs/ben
     accepts as the full-weight one does. On 2 AVX2 cores at batch 8 its draft forward is as fast as
     int8's (the draft is bound by the cost of its thousands of small operator calls there, not by
     weight bytes).
-A PEFT model (LoRA and kin) gets a twin whose tuner layers quantize their base layer only; the
+A PEFT model (LoRA and kin) gets a quantized draft whose tuner layers quantize their base layer only; the
 adapters stay in full precision and are shared with the model, so training them is seen by the
-draft at once, without rebuilding the twin.
+draft at once, without rebuilding the quantized draft.
 
 ``"int8"`` / ``"int4"`` on CUDA
     torchao's weight-only configs (``Int8WeightOnlyConfig`` / ``Int4WeightOnlyConfig``), when
@@ -44,30 +44,29 @@ import importlib.util
 import warnings
 import weakref
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 from torch import nn
 
 from ..defaults import AUTO, QUANTIZED_FORMATS
 
-__all__ = ["QUANTIZED_FORMATS", "DraftTwin", "check_draft_weights", "draft_twin", "feasible_formats", "has_twin",
-           "supported_formats"]
+__all__ = ["QUANTIZED_FORMATS", "QuantizedDraft", "check_draft_weights", "feasible_formats", "has_quantized_draft",
+           "quantized_draft", "supported_formats"]
 
-# model -> {format: DraftTwin}. Weak keys: the twin holds no reference to the model object itself
-# (only to its parameters), so the entry and the quantized copy go when the model does.
-_TWINS: "weakref.WeakKeyDictionary[nn.Module, dict[str, DraftTwin]]" = weakref.WeakKeyDictionary()
+# model -> {format: QuantizedDraft}. Weak keys: the quantized draft holds no reference to the model
+# object itself (only to its parameters), so the entry and the quantized copy go when the model does.
+_QUANTIZED: "weakref.WeakKeyDictionary[nn.Module, dict[str, QuantizedDraft]]" = weakref.WeakKeyDictionary()
 
 
 @dataclass
-class DraftTwin:
-    """A model's draft twin and what it was made from.
+class QuantizedDraft:
+    """A model's quantized draft and what it was made from.
 
     Attributes
     ----------
-    module : the twin (an instance of the model's class sharing all but its linear layers).
+    module : the quantized draft (an instance of the model's class sharing all but its linear layers).
     fmt : ``"int8"`` or ``"int4"``.
-    nbytes : bytes of the quantized copies (the extra memory the twin costs).
+    nbytes : bytes of the quantized copies (the extra memory the quantized draft costs).
     linears : how many linear layers were replaced.
     source : ``(id, version)`` of every replaced weight, to notice updates to the model.
     """
@@ -161,21 +160,22 @@ def feasible_formats(model, device: torch.device, draft_model=None) -> tuple[str
     return tuple(out)
 
 
-def has_twin(model, fmt: str) -> bool:
-    """Whether a current twin of ``model`` in ``fmt`` is cached (:func:`draft_twin` would not build one)."""
-    twin = _TWINS.get(model, {}).get(fmt)
-    return twin is not None and twin.source == _source(model)
+def has_quantized_draft(model, fmt: str) -> bool:
+    """Whether a current quantized draft of ``model`` in ``fmt`` is cached (:func:`quantized_draft` would
+    not build one)."""
+    draft = _QUANTIZED.get(model, {}).get(fmt)
+    return draft is not None and draft.source == _source(model)
 
 
-def draft_twin(model, fmt: str) -> DraftTwin:
-    """The model's twin with ``fmt`` linear layers, made once and reused while the weights last."""
-    twins = _TWINS.setdefault(model, {})
+def quantized_draft(model, fmt: str) -> QuantizedDraft:
+    """The model's quantized draft with ``fmt`` linear layers, made once and reused while the weights last."""
+    drafts = _QUANTIZED.setdefault(model, {})
     source = _source(model)
-    twin = twins.get(fmt)
-    if twin is None or twin.source != source:
-        twins.pop(fmt, None)  # free the stale copy before making the new one
-        twin = twins[fmt] = _make_twin(model, fmt, source)
-    return twin
+    draft = drafts.get(fmt)
+    if draft is None or draft.source != source:
+        drafts.pop(fmt, None)  # free the stale copy before making the new one
+        draft = drafts[fmt] = _make_quantized_draft(model, fmt, source)
+    return draft
 
 
 def _is_tuner(module: nn.Module) -> bool:
@@ -184,7 +184,7 @@ def _is_tuner(module: nn.Module) -> bool:
 
 
 def _quantized_linears(model) -> list[nn.Linear]:
-    """The linear layers a twin quantizes: every plain ``nn.Linear`` but a PEFT tuner's adapters
+    """The linear layers a quantized draft quantizes: every plain ``nn.Linear`` but a PEFT tuner's adapters
     (``lora_A`` / ``lora_B`` …), which stay in full precision (their forwards read e.g.
     ``lora_A.weight.dtype``; they are small) and are shared with the model as they are."""
     adapters = {id(m) for tuner in model.modules() if _is_tuner(tuner)
@@ -193,35 +193,35 @@ def _quantized_linears(model) -> list[nn.Linear]:
 
 
 def _source(model) -> tuple:
-    # Adapters are left out: they are shared, so training them never makes the twin stale.
+    # Adapters are left out: they are shared, so training them never makes the quantized draft stale.
     return tuple((id(m.weight), m.weight._version) for m in _quantized_linears(model))
 
 
-def _make_twin(model, fmt: str, source: tuple) -> DraftTwin:
+def _make_quantized_draft(model, fmt: str, source: tuple) -> QuantizedDraft:
     device = next(model.parameters()).device
     quantize = {"int8": _DynamicInt8Linear, "fp16": _Fp16Linear}[fmt] if device.type == "cpu" else _torchao(fmt)
     made: list[nn.Module] = []
     quantized = {id(m) for m in _quantized_linears(model)}
 
-    def twin_of(module: nn.Module) -> nn.Module:
+    def copy_of(module: nn.Module) -> nn.Module:
         if id(module) in quantized:
             made.append(quantize(module))
             return made[-1]
-        # Everything else is cloned (a PEFT tuner's adapters too, so that the twin's eval() leaves
+        # Everything else is cloned (a PEFT tuner's adapters too, so that the quantized draft's eval() leaves
         # the model's own training flags alone); clones share parameters, buffers, config, hooks.
         clone = copy.copy(module)
         clone.__dict__.pop("_compiled_call", None)  # transformers' cached torch.compile of the model
         if _rebound_class_forward(module, vars(module).get("forward")):
-            del clone.__dict__["forward"]  # bound to the model: the twin would run the model's own forward
-        clone._modules = {name: (twin_of(child) if child is not None else None)
+            del clone.__dict__["forward"]  # bound to the model: the copy would run the model's own forward
+        clone._modules = {name: (copy_of(child) if child is not None else None)
                           for name, child in module._modules.items()}
         return clone
 
     with torch.no_grad():
-        module = twin_of(model)
+        module = copy_of(model)
     module.eval()  # the clones' own flags: the model's stay as the user set them
     nbytes = sum(_quantized_bytes(m) for m in made)
-    return DraftTwin(module, fmt, nbytes, len(made), source)
+    return QuantizedDraft(module, fmt, nbytes, len(made), source)
 
 
 class _DynamicInt8Linear(nn.Module):
@@ -231,7 +231,7 @@ class _DynamicInt8Linear(nn.Module):
 
     The weight is quantized as ``torch.ao.nn.quantized.dynamic.Linear.from_float`` does it (the
     per-channel symmetric observer of ``per_channel_dynamic_qconfig``), and packed once: that
-    module packs a zero weight of the full size first, which tripled the twin's build time."""
+    module packs a zero weight of the full size first, which tripled the quantized draft's build time."""
 
     def __init__(self, linear: nn.Linear):
         super().__init__()
@@ -295,8 +295,3 @@ def _tensor_bytes(tensor: torch.Tensor) -> int:
         names, _ = inner()
         return sum(_tensor_bytes(getattr(tensor, n)) for n in names)
     return tensor.numel() * tensor.element_size()
-
-
-def twin_info(model) -> dict[str, Any]:
-    """``{format: bytes}`` of the draft twins cached for ``model`` (for reports)."""
-    return {fmt: twin.nbytes for fmt, twin in _TWINS.get(model, {}).items()}

@@ -27,7 +27,7 @@ query-aware view (``dynamic``), which re-selects prompt pages from it at every d
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, Callable, Protocol
+from typing import Callable, Protocol
 
 import torch
 
@@ -36,7 +36,7 @@ from .refresh import Refresher
 from .steps import ModelCall, draft_step, num_layers, prefill
 from .validation import check_model
 
-__all__ = ["Drafter", "ModelDrafter", "SelfDrafter", "check_draft_model", "new_cache", "twin_call"]
+__all__ = ["Drafter", "ModelDrafter", "SelfDrafter", "check_draft_model", "new_cache", "quantized_draft_call"]
 
 #: ``step(i, tok [b, 1]) -> float logits [b, 1, V]`` of draft step ``i``.
 DraftStep = Callable[[int, torch.Tensor], torch.Tensor]
@@ -47,8 +47,6 @@ class Drafter(Protocol):
 
     #: Name reported in the statistics (the draft model's), None for self-drafting.
     name: str | None
-    #: The separate draft model, or None (acceptance is remembered per draft model).
-    model: Any
     #: Whether draft forwards run the (possibly sharded) target: ranks in lockstep mirror them.
     on_target: bool
     #: Times the draft view was re-selected during the generation (hf_magicdec.engine.refresh).
@@ -79,13 +77,13 @@ class Drafter(Protocol):
         moves a cache's rows for the same ``finished``)."""
 
 
-def twin_call(twin, compile_config) -> ModelCall | None:
-    """How the engine calls a draft twin (:func:`hf_magicdec.engine.draft_weights.draft_twin`), or
-    None without one. PyTorch's CPU int8 kernels are not traceable: a CPU twin stays eager."""
-    if twin is None:
+def quantized_draft_call(draft, compile_config) -> ModelCall | None:
+    """How the engine calls a quantized draft (:func:`hf_magicdec.engine.draft_weights.quantized_draft`),
+    or None without one. PyTorch's CPU int8 kernels are not traceable: a CPU quantized draft stays eager."""
+    if draft is None:
         return None
-    on_cpu = next(twin.module.parameters()).device.type == "cpu"
-    return ModelCall.of(twin.module, None if on_cpu else compile_config)
+    on_cpu = next(draft.module.parameters()).device.type == "cpu"
+    return ModelCall.of(draft.module, None if on_cpu else compile_config)
 
 
 def new_cache(model, pad: torch.Tensor, capacity: int, options: CacheOptions) -> MagicDecCache:
@@ -97,11 +95,10 @@ class SelfDrafter:
     """The target drafts for itself on the draft views inside its own cache."""
 
     name = None
-    model = None
     on_target = True
 
     def __init__(self, call: ModelCall, view, config, draft_call: ModelCall | None = None):
-        # draft_call: the forwards of the draft steps (a quantized twin of the model,
+        # draft_call: the forwards of the draft steps (a quantized copy of the model,
         # hf_magicdec.engine.draft_weights), or the target's own call.
         self.call, self.view, self.config = call, view, config
         self.draft_call = draft_call if draft_call is not None else call

@@ -61,7 +61,7 @@ class _Rows:
 
 
 @dataclass
-class _Read:
+class StepCounts:
     """What one step read on the host (all in one transfer), and the step's ``finished [b]``."""
 
     alive: int  # rows still unfinished
@@ -74,9 +74,16 @@ class _Read:
     finished_rows: tuple[bool, ...] = ()  # ``finished`` on the host
 
     @classmethod
-    def unpack(cls, values: list[int], drafted: int, finished: torch.Tensor) -> "_Read":
+    def unpack(cls, values: list[int], drafted: int, finished: torch.Tensor) -> "StepCounts":
         """From :func:`~hf_magicdec.engine.compiled.read_counts`, read on the host."""
-        return cls(*values[:5], drafted=drafted, finished=finished, finished_rows=tuple(map(bool, values[5:])))
+        alive, longest, longest_alive, accepted, context = values[:5]
+        return cls(alive=alive, longest=longest, longest_alive=longest_alive, accepted=accepted, context=context,
+                   drafted=drafted, finished=finished, finished_rows=tuple(map(bool, values[5:])))
+
+    @classmethod
+    def none(cls) -> "StepCounts":
+        """A step that ran nothing: no row alive, nothing drafted or accepted."""
+        return cls(alive=0, longest=0, longest_alive=0, accepted=0, context=0, drafted=0)
 
 
 class Engine:
@@ -134,35 +141,35 @@ class Engine:
                 self.graphs = None
         if self.captured:
             watch_recompile_limit()
-        read = self._begin(b, stopper, input_ids, position_ids)
-        self.gamma.after_step(0, 0, read.alive, read.context)  # the first γ, for the prompt's context
+        counts = self._begin(b, stopper, input_ids, position_ids)
+        self.gamma.after_step(0, 0, counts.alive, counts.context)  # the first γ, for the prompt's context
         with compiled_forwards() if self.captured else contextlib.nullcontext():
-            while self.lockstep.any_alive(read.alive > 0):
+            while self.lockstep.any_alive(counts.alive > 0):
                 gamma, start = self.gamma.gamma, time.perf_counter()
-                read = self._step(b, stopper, gamma, read) if read.alive else self._idle_step(gamma)
+                counts = self._step(b, stopper, gamma, counts) if counts.alive else self._idle_step(gamma)
                 # The step's wall time (its one host read has waited for the device): a schedule
                 # checks the cost model against it.
-                self.gamma.after_step(read.accepted, read.drafted, read.alive, read.context,
+                self.gamma.after_step(counts.accepted, counts.drafted, counts.alive, counts.context,
                                       time.perf_counter() - start)
         self.observers.on_end()
         return self._sequences(b)
 
-    def _begin(self, b: _Rows, stopper: Stopper, input_ids, position_ids) -> _Read:
+    def _begin(self, b: _Rows, stopper: Stopper, input_ids, position_ids) -> StepCounts:
         """Prefill, the first token of every row and the draft views; what the first read says."""
         max_new = stopper.max_new_tokens
         if max_new == 0:  # nothing to generate; under synced_gpus the others' prefill forwards are matched
             self.lockstep.plan_forwards(0)
             self.lockstep.match_forwards()
-            return _Read(0, 0, 0, 0, 0, 0)
+            return StepCounts.none()
         logits = self._prefill(input_ids, position_ids, max_new)[:, -1:].float()
         first, scores = self._choose(b, logits)
         self.lockstep.match_forwards()
         self.drafter.prepare(self.cache, input_ids, position_ids, max_new, self.scratch)
         self.observers.on_prefilled()
         _, finished = self._emit(b, stopper, first[:, None], torch.ones_like(first), scores, logits)
-        return self._read(finished, None, None, 0)
+        return self._count(finished, None, None, 0)
 
-    def _step(self, b: _Rows, stopper: Stopper, gamma: int, last: _Read) -> _Read:
+    def _step(self, b: _Rows, stopper: Stopper, gamma: int, last: StepCounts) -> StepCounts:
         """One speculation step of the working batch, in the order of the module docstring."""
         if self.graphs is not None:
             return self._captured_step(b, stopper, gamma, last)
@@ -181,15 +188,15 @@ class Engine:
         t2 = _synced(pending.device)
         num_new = accepted + 1 if b.dead is None else (accepted + 1).masked_fill(b.dead, 0)
         emitted, finished = self._emit(b, stopper, tokens, num_new, scores, logits, ctx)
-        read = self._read(finished, emitted, accepted, gamma * last.alive)
+        counts = self._count(finished, emitted, accepted, gamma * last.alive)
         # The verified KV of the emitted tokens; the draft views' windows only when they are read soon.
-        self.cache.commit(emitted, read.longest, feed_views=self.drafter.feeds_views(gamma))
+        self.cache.commit(emitted, counts.longest, feed_views=self.drafter.feeds_views(gamma))
         self.drafter.commit(emitted, accepted, gamma)
         rows = b.rows if b.dead is None else b.rows.masked_fill(b.dead, -1)
         self.observers.on_step(rows, accepted, gamma, t1 - t0, t2 - t1)
-        return read
+        return counts
 
-    def _captured_step(self, b: _Rows, stopper: Stopper, gamma: int, last: _Read) -> _Read:
+    def _captured_step(self, b: _Rows, stopper: Stopper, gamma: int, last: StepCounts) -> StepCounts:
         """:meth:`_step` in compiled regions (:mod:`hf_magicdec.engine.compiled`): the drafts, then
         verify-to-commit, then the step's one host read."""
         self._drop_finished(b, last)
@@ -204,24 +211,24 @@ class Engine:
         else:
             drafts, draft_probs = pending.new_empty((pending.shape[0], 0)), None
         t1 = _synced(pending.device)
-        accepted, tokens, emitted, finished, counts, scores, logits = graphs.verify(
+        accepted, tokens, emitted, finished, packed, scores, logits = graphs.verify(
             self.call, cache, stopper, b.tokens, b.seq_len, b.rows, ctx, pending, drafts, draft_probs, positions,
             b.dead, self.do_sample, self.drafter.feeds_views(gamma))
         t2 = _synced(pending.device)
         self.observers.on_tokens(b.rows, tokens, emitted, scores, logits)
-        read = _Read.unpack(counts.tolist(), gamma * last.alive, finished)
-        cache.end_step(read.longest)
+        counts = StepCounts.unpack(packed.tolist(), gamma * last.alive, finished)
+        cache.end_step(counts.longest)
         self.drafter.commit(emitted, accepted, gamma)
         rows = b.rows if b.dead is None else b.rows.masked_fill(b.dead, -1)
         self.observers.on_step(rows, accepted, gamma, t1 - t0, t2 - t1)
-        return read
+        return counts
 
-    def _idle_step(self, gamma: int) -> _Read:
+    def _idle_step(self, gamma: int) -> StepCounts:
         """A rank with nothing left under ``synced_gpus`` while others still decode: the target
         forwards of a real step (γ draft forwards when the model drafts on its own views, one
         verify), on nothing, and nothing accepted."""
         self.lockstep.idle_forwards((gamma if self.drafter.on_target else 0) + 1)
-        return _Read(0, 0, 0, 0, 0, 0)
+        return StepCounts.none()
 
     # ------------------------------------------------------------------ the step's parts
     def _start(self, input_ids, attention_mask, position_ids):
@@ -299,17 +306,17 @@ class Engine:
         self.observers.on_tokens(b.rows, tokens, emitted, scores, logits)
         return emitted, finished
 
-    def _read(self, finished: torch.Tensor, emitted: torch.Tensor | None, accepted: torch.Tensor | None,
-              drafted: int) -> _Read:
+    def _count(self, finished: torch.Tensor, emitted: torch.Tensor | None, accepted: torch.Tensor | None,
+               drafted: int) -> StepCounts:
         """The step's one device→host read: rows alive, the longest row and the longest alive row
         once ``emitted`` is committed (None: nothing to commit), the accepted drafts, the alive
         rows' tokens and which rows finished."""
         lengths = self.cache.lengths
         if emitted is not None:
             lengths = lengths + emitted.to(lengths.device)
-        return _Read.unpack(read_counts(lengths, self.cache.pad, finished, accepted).tolist(), drafted, finished)
+        return StepCounts.unpack(read_counts(lengths, self.cache.pad, finished, accepted).tolist(), drafted, finished)
 
-    def _drop_finished(self, b: _Rows, last: _Read) -> None:
+    def _drop_finished(self, b: _Rows, last: StepCounts) -> None:
         """Finished rows leave the working batch at once, except under compiled steps: there they
         stay as dead rows until at most half the batch is alive, so batch sizes (graph shapes) at
         least halve from one to the next."""

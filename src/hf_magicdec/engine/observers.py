@@ -17,7 +17,7 @@ import torch
 
 from .outputs import SpeculationStats
 
-__all__ = ["AcceptanceRecorder", "Observer", "Observers", "ScoresRecorder", "StatsRecorder", "StreamerHook",
+__all__ = ["AcceptanceRecorder", "Observer", "Observers", "ScoresRecorder", "StatsRecorder", "StreamerObserver",
            "profile_sync"]
 
 
@@ -28,7 +28,7 @@ def profile_sync(device: torch.device) -> None:
 
 
 class Observer:
-    """Base class: every hook is a no-op."""
+    """Base class: every method is a no-op."""
 
     def on_prompt(self, input_ids: torch.Tensor) -> None:
         """Before prefill, with the ``[B, P]`` prompts."""
@@ -124,7 +124,7 @@ class StatsRecorder(Observer):
             self._rows, self._accepted = [], []
 
 
-class StreamerHook(Observer):
+class StreamerObserver(Observer):
     """Feeds a transformers streamer as stock ``generate`` does: the prompt, then each row-0 token."""
 
     def __init__(self, streamer):

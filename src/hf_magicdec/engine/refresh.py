@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from ..defaults import DEFAULT_POOL_KERNEL, DEFAULT_WINDOW
-from ..views import CacheHook
+from ..views import RowState
 
 if TYPE_CHECKING:
     from ..config import MagicDecConfig
@@ -75,7 +75,7 @@ def recent_attention_mass(queries: torch.Tensor, keys: torch.Tensor, key_valid: 
     return out
 
 
-class Refresher(CacheHook):
+class Refresher(RowState):
     """Refresh policy of one generation (built by :meth:`create`), attached to the cache, which keeps
     its per-row state aligned with the rows (:meth:`select_rows`) and hands it every verify query
     (:meth:`on_verify_query`).

@@ -69,7 +69,7 @@ class DeviceMapPlan:
     cache_bytes_per_layer: int
     workspace_bytes: int
     offload_buffer_bytes: int = 0
-    draft_weight_bytes: int = 0  # the quantized draft twin's copy of the linear layers (draft_weights=)
+    draft_weight_bytes: int = 0  # the quantized draft's copy of the linear layers (draft_weights=)
     notes: tuple[str, ...] = field(default=())
 
     def summary(self) -> str:
@@ -186,7 +186,7 @@ def plan_device_map(model_or_config, batch_size: int, context_length: int, *, co
     per_layer = cache_bytes_per_layer(model, batch_size, context_length, cfg, dtype=dtype)
     # A quantized self-draft keeps a copy of every layer's linear weights next to them (and of
     # the LM head next to it, on the main device): charged like the cache.
-    twin_per_layer, twin_head = draft_weight_bytes(model, cfg.draft_weights, dtype)
+    quantized_per_layer, quantized_head = draft_weight_bytes(model, cfg.draft_weights, dtype)
     memory = get_max_memory(dict(max_memory) if max_memory is not None else None)
     no_split = list(no_split_module_classes if no_split_module_classes is not None
                     else (getattr(model, "_no_split_modules", None) or []))
@@ -198,10 +198,10 @@ def plan_device_map(model_or_config, batch_size: int, context_length: int, *, co
     runners = [d for d in memory if d not in _OFFLOAD] or ["cpu"]
     main = runners[0]
     # Scaling a device's budget by w / (w + c) makes every layer placed there also fit its cache.
-    ratio = layer_weights / (layer_weights + per_layer + twin_per_layer)
+    ratio = layer_weights / (layer_weights + per_layer + quantized_per_layer)
 
-    device_map, placed, offloaded = _place(model, memory, runners, workspace, per_layer, twin_head, ratio, no_split,
-                                           dtype, layer_names)
+    device_map, placed, offloaded = _place(model, memory, runners, workspace, per_layer, quantized_head, ratio,
+                                           no_split, dtype, layer_names)
     weight_bytes: dict[Any, int] = {}
     for name, device in device_map.items():
         weight_bytes[device] = weight_bytes.get(device, 0) + sizes[name]
@@ -223,16 +223,16 @@ def plan_device_map(model_or_config, batch_size: int, context_length: int, *, co
                      "forwards included, so speculation gains little (docs/multi_gpu.md)")
     for device in runners:
         if layers[device] or weight_bytes.get(device, 0):  # a device that runs something
-            twin = layers[device] * twin_per_layer + (twin_head if device == main else 0)
-            _check_fits(device, memory, weight_bytes.get(device, 0), cache[device], layers[device], twin, workspace,
-                        buffer if device == main else 0, batch_size, context_length)
+            quantized = layers[device] * quantized_per_layer + (quantized_head if device == main else 0)
+            _check_fits(device, memory, weight_bytes.get(device, 0), cache[device], layers[device], quantized,
+                        workspace, buffer if device == main else 0, batch_size, context_length)
     return DeviceMapPlan(device_map=dict(device_map), max_memory=dict(memory), weight_bytes=weight_bytes,
                          cache_bytes=cache, layers=layers, cache_bytes_per_layer=per_layer,
                          workspace_bytes=workspace, offload_buffer_bytes=buffer,
-                         draft_weight_bytes=twin_per_layer * len(layer_names) + twin_head, notes=tuple(notes))
+                         draft_weight_bytes=quantized_per_layer * len(layer_names) + quantized_head, notes=tuple(notes))
 
 
-def _place(model, memory, runners, workspace: int, per_layer: int, twin_head: int, ratio: float, no_split, dtype,
+def _place(model, memory, runners, workspace: int, per_layer: int, quantized_head: int, ratio: float, no_split, dtype,
            layer_names):
     """accelerate's placement with every runner's budget scaled so that each layer it gets also
     fits its cache; layers offloaded to ``"cpu"`` / ``"disk"`` run on the main device, whose budget
@@ -244,7 +244,7 @@ def _place(model, memory, runners, workspace: int, per_layer: int, twin_head: in
         budget = {}
         for device, total in memory.items():
             if device in runners:
-                room = total - workspace - (offloaded * per_layer + twin_head if device == main else 0)
+                room = total - workspace - (offloaded * per_layer + quantized_head if device == main else 0)
                 budget[device] = max(int(room * ratio), 0)
             else:
                 budget[device] = total
@@ -257,19 +257,19 @@ def _place(model, memory, runners, workspace: int, per_layer: int, twin_head: in
     return device_map, placed, offloaded
 
 
-def _check_fits(device, memory, weights: int, cache: int, layers: int, twin: int, workspace: int, buffer: int,
+def _check_fits(device, memory, weights: int, cache: int, layers: int, quantized: int, workspace: int, buffer: int,
                 batch_size: int, context_length: int) -> None:
-    need = weights + cache + twin + workspace + buffer
+    need = weights + cache + quantized + workspace + buffer
     if device in memory and need > memory[device]:
         raise ValueError(
             f"device {device!r} needs {_size(need)} (weights {_size(weights)}, MagicDec cache {_size(cache)} for "
-            f"{layers} layers, quantized draft weights {_size(twin)}, workspace {_size(workspace)}) but max_memory "
-            f"gives it {_size(memory[device])}: lower {batch_size=} or {context_length=}, or add devices."
+            f"{layers} layers, quantized draft weights {_size(quantized)}, workspace {_size(workspace)}) but "
+            f"max_memory gives it {_size(memory[device])}: lower {batch_size=} or {context_length=}, or add devices."
         )
 
 
 def draft_weight_bytes(model_or_config, draft_weights: str, dtype: Any = None) -> tuple[int, int]:
-    """``(bytes per decoder layer, bytes of the LM head)`` of the quantized draft twin that
+    """``(bytes per decoder layer, bytes of the LM head)`` of the quantized draft that
     ``draft_weights`` (``"int8"`` / ``"fp16"`` / ``"int4"``) keeps beside the model; ``(0, 0)`` otherwise
     (``"full"``, and ``"auto"``, which only picks a format for models without device-map hooks)."""
     if draft_weights not in QUANTIZED_FORMATS:

@@ -5,12 +5,9 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from ..checks import check_int
 
-def check_int(name: str, value: Any, minimum: int = 1) -> int:
-    """Return ``value`` if it is an int (not a bool) ``>= minimum``, else raise ``ValueError``."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}.")
-    return value
+__all__ = ["check_int", "check_number"]
 
 
 def check_number(name: str, value: Any, *, allow_zero: bool = False) -> float:

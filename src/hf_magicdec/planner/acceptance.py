@@ -12,17 +12,17 @@ import math
 from typing import Any, Mapping
 
 __all__ = ["default_acceptance", "resolve_acceptance", "BASE_ACCEPTANCE", "DRAFT_MODEL_ACCEPTANCE",
-           "DRAFT_MODEL_PREFIX", "QUANTIZED_ACCEPTANCE_DROP", "VERIFIED_PROMPT_LEAD", "VERIFIED_WRITTEN_SHARE",
+           "DRAFT_MODEL_PREFIX", "QUANTIZED_ACCEPTANCE_DROP", "ATTENDED_PROMPT_LEAD", "ATTENDED_WRITTEN_SHARE",
            "WEIGHTS_SEPARATOR"]
 
 #: α at a budget ≥ 256 and a context ≤ 4K (SmolLM2-135M on Shakespeare;
 #: docs/cost_model.md, "Where the constants come from").
-BASE_ACCEPTANCE = {"streamingllm": 0.80, "snapkv": 0.85, "verified": 0.93}
-#: ``verified``'s lead over SnapKV where the context is all prompt (measured 0.04-0.07; same source).
-VERIFIED_PROMPT_LEAD = 0.05
+BASE_ACCEPTANCE = {"streamingllm": 0.80, "snapkv": 0.85, "attended": 0.93}
+#: ``attended``'s lead over SnapKV where the context is all prompt (measured 0.04-0.07; same source).
+ATTENDED_PROMPT_LEAD = 0.05
 _OTHER = 0.80  # views without their own prior (user-registered ones)
-#: Share of the context written by the generation from which ``verified`` gets its full prior (same source).
-VERIFIED_WRITTEN_SHARE = 0.25
+#: Share of the context written by the generation from which ``attended`` gets its full prior (same source).
+ATTENDED_WRITTEN_SHARE = 0.25
 #: α of a separate draft model ~3x smaller with its full cache (Qwen2.5-Coder-0.5B for 1.5B; same source).
 DRAFT_MODEL_ACCEPTANCE = 0.70
 DRAFT_MODEL_PREFIX = "model:"
@@ -42,7 +42,7 @@ def default_acceptance(draft: str, budget: int, context: float, prompt_len: floa
 
     ``α = base(draft) − 0.05·log2(256 / K)⁺ − 0.0125·log2(S / 4096)⁺``, clipped to
     [0.05, 0.99], where ``base`` is 0.80 for ``streamingllm``, 0.85 for ``snapkv`` (which beats
-    StreamingLLM at the same budget in MagicDec §4) and 0.80 for other views; for ``verified``,
+    StreamingLLM at the same budget in MagicDec §4) and 0.80 for other views; for ``attended``,
     SnapKV's 0.85 plus 0.05 + 0.03·min(1, w / 0.25), where ``w = (S − P) / S`` is the share of the
     context the generation wrote (measured 0.04–0.07 above SnapKV where the context is the prompt,
     0.93 and above on long generations); ``K`` is the budget and ``S`` the context. So α is flat for
@@ -89,11 +89,11 @@ def default_acceptance(draft: str, budget: int, context: float, prompt_len: floa
     if draft == "full" or budget >= context:
         return _CEIL
     alpha = BASE_ACCEPTANCE.get(draft, _OTHER)
-    if draft == "verified":
+    if draft == "attended":
         written = 0.0 if prompt_len is None else max(0.0, context - prompt_len) / context
-        lead = BASE_ACCEPTANCE["verified"] - BASE_ACCEPTANCE["snapkv"]
-        alpha = BASE_ACCEPTANCE["snapkv"] + VERIFIED_PROMPT_LEAD
-        alpha += (lead - VERIFIED_PROMPT_LEAD) * min(1.0, written / VERIFIED_WRITTEN_SHARE)
+        lead = BASE_ACCEPTANCE["attended"] - BASE_ACCEPTANCE["snapkv"]
+        alpha = BASE_ACCEPTANCE["snapkv"] + ATTENDED_PROMPT_LEAD
+        alpha += (lead - ATTENDED_PROMPT_LEAD) * min(1.0, written / ATTENDED_WRITTEN_SHARE)
     alpha -= _PER_BUDGET_HALVING * max(0.0, math.log2(_REF_BUDGET / budget))
     alpha -= _PER_CONTEXT_DOUBLING * max(0.0, math.log2(context / _REF_CONTEXT))
     return min(_CEIL, max(_FLOOR, alpha))

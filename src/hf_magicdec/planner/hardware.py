@@ -66,7 +66,7 @@ class HardwareSpec:
         as on GPUs. False: ``compute + memory``, which describes small CPU matmuls better (see
         :mod:`~hf_magicdec.calibration.fit`, which picks whichever fits the device).
     fused_mass : bool
-        Whether the verify attention emits the attention mass per page (the ``verified`` view's
+        Whether the verify attention emits the attention mass per page (the ``attended`` view's
         choice) inside its fused kernel (the Triton kernel, on CUDA): then it costs a few bytes per
         page. False (the ``cpu`` preset and CPU calibrations): the PyTorch twin computes that
         verification's attention with an explicit softmax, writing and reading its fp32
@@ -230,7 +230,7 @@ HARDWARE_PRESETS: dict[str, HardwareSpec] = {
         # γ = 4 at 8 rows, predicted 1.2x and 1.8x (the former preset, 100 GFLOP/s and 20 GB/s: 1.5x
         # and 2.7x). A machine with more cores has more of both: calibrate to replace them.
         name="cpu (uncalibrated)",
-        fused_mass=False,  # the PyTorch twin emits verified's mass (explicit softmax)
+        fused_mass=False,  # the PyTorch twin emits attended's mass (explicit softmax)
         peak_flops={"float32": 180e9, "bfloat16": 50e9, "float16": 25e9},
         # Linear layers of a compressed self-draft: dynamically quantized int8 (activations
         # quantized per call) and fbgemm's fp16 weights (fp32 math), both slower per FLOP than

@@ -53,7 +53,7 @@ class StepModel:
     Attributes
     ----------
     spec, hardware : the target and the device model.
-    drafter : the spec the draft steps run (the target, its quantized twin, or a draft model).
+    drafter : the spec the draft steps run (the target, its quantized draft, or a draft model).
     budget : draft budget K.
     view : the draft view (its selection cost, for query-aware views).
     gammas : the γs considered.

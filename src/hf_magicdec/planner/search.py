@@ -32,7 +32,7 @@ __all__ = ["Plan", "search_plan", "Workload", "SearchSpace", "Candidate", "Draft
            "DEFAULT_DRAFTS", "DEFAULT_DRAFT_MODEL_DRAFTS", "DEFAULT_GAMMAS"]
 
 #: View names the callers resolve (``hf_magicdec.plan``, ``generate`` with ``draft="auto"``).
-DEFAULT_DRAFTS = ("streamingllm", "snapkv", "verified")
+DEFAULT_DRAFTS = ("streamingllm", "snapkv", "attended")
 #: Views considered for a separate draft model's cache (``"full"`` keeps all of it).
 DEFAULT_DRAFT_MODEL_DRAFTS = ("full", "streamingllm", "snapkv")
 DEFAULT_BUDGETS = (128, 256, 512, 1024, 2048)

@@ -15,7 +15,7 @@ roofline's. Not modelled: the top-k over ``⌈S/P⌉`` pages and the kernel laun
 overestimate: summaries only cover the prompt. No selection when the view holds the context.
 
 A view that re-chooses its static part after verifications (``view.reselects`` without
-``query_aware``, e.g. ``verified``) pays, once per ``every`` verifications and per layer, the
+``query_aware``, e.g. ``attended``) pays, once per ``every`` verifications and per layer, the
 gather of its static part (``2·2·Hkv·K·Dh·kvb`` bytes) and a top-k over ``⌈S/P⌉`` page masses
 (not modelled, like dynamic's); the mass itself comes out of the verify attention's kernel of
 the verification the choice follows (``B·Hkv·⌈S/P⌉`` fp32 written per layer, included) — where

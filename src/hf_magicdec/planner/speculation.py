@@ -190,7 +190,7 @@ def estimate(model: ModelSpec, hardware: HardwareSpec, *, batch: int, context: i
     tt = target_step(model, hardware, batch, context).seconds if t_target is None else t_target
     drafter = model if draft_model_spec is None else draft_model_spec
     td_total = draft_steps(drafter, hardware, batch, context, budget, gamma)
-    # Query-aware views (dynamic) re-select every step; views chosen by the verifier (verified) pay at verification.
+    # Query-aware views (dynamic) re-select every step; views chosen by the verifier (attended) pay at verification.
     td_total += gamma * selection_seconds(drafter, hardware, batch, context, budget, draft)
     tv = verify_step(model, hardware, batch, context, gamma).seconds
     tv += choice_seconds(drafter, hardware, batch, context, budget, draft, gamma + 1)

@@ -13,12 +13,12 @@ from __future__ import annotations
 import dataclasses
 import difflib
 
-from .base import CacheHook, DraftView, ScoreContext, ViewCache
-from .dynamic import Dynamic, PageSelection
-from .full import Full
+from .attended import AttendedPages, AttendedPageSelection
+from .base import DraftView, RowState, ScoreContext, ViewCache
+from .dynamic import DynamicPages, PageSelection
+from .full import FullKV
 from .snapkv import SnapKV, snapkv_scores
 from .streamingllm import StreamingLLM
-from .verified import Verified, VerifiedSelection
 
 # name -> a DraftView subclass (built with the options get_view receives) or an instance (its
 # fields are the defaults, get_view replaces the ones it receives).
@@ -99,20 +99,20 @@ def available_views() -> tuple[str, ...]:
     return tuple(_VIEWS)
 
 
-for _view in (StreamingLLM, SnapKV, Full, Dynamic, Verified):
+for _view in (StreamingLLM, SnapKV, FullKV, DynamicPages, AttendedPages):
     register_view(_view)
 
 __all__ = [
-    "CacheHook",
+    "AttendedPageSelection",
+    "AttendedPages",
     "DraftView",
-    "Dynamic",
-    "Full",
+    "DynamicPages",
+    "FullKV",
     "PageSelection",
+    "RowState",
     "ScoreContext",
     "SnapKV",
     "StreamingLLM",
-    "Verified",
-    "VerifiedSelection",
     "ViewCache",
     "available_views",
     "get_view",

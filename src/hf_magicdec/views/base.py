@@ -24,12 +24,8 @@ from typing import Any, ClassVar, Protocol, Sequence
 
 import torch
 
+from ..checks import is_int
 from ..defaults import MAX_GAMMA
-
-
-def is_int(value: Any) -> bool:
-    """True for an ``int`` that is not a ``bool``."""
-    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def require_int(name: str, value: Any) -> None:
@@ -81,11 +77,11 @@ class ViewCache(Protocol):
         is then the caller's to fill (``replace_static``)."""
 
 
-class CacheHook:
+class RowState:
     """Per-row state kept beside the engine's cache (a view's page summaries or chosen pages, the
-    refresh policy's query rings), attached with ``cache.attach(hook)``. The cache calls every
-    method below at the moment its docstring names; the defaults do nothing, so a hook overrides
-    only what it needs."""
+    refresh policy's query rings), attached with ``cache.attach(state)``. The cache calls every
+    method below at the moment its docstring names; the defaults do nothing, so a row state
+    overrides only what it needs."""
 
     def select_rows(self, rows: torch.Tensor) -> None:
         """Rows left the batch: keep only ``rows [b']`` (indices into the current rows, in order)."""

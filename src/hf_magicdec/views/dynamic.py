@@ -36,8 +36,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..checks import is_int
 from ..defaults import DEFAULT_PAGE_SIZE, DEFAULT_SINK_TOKENS
-from .base import CacheHook, DraftView, ScoreContext, ViewCache, check_sizes, is_int, require_int
+from .base import DraftView, RowState, ScoreContext, ViewCache, check_sizes, require_int
 
 
 def page_summaries(keys: torch.Tensor, first: torch.Tensor, span: torch.Tensor, page_size: int):
@@ -131,7 +132,7 @@ def select_page_slots(scores: torch.Tensor, page_start: torch.Tensor, page_token
 
 
 @dataclass(frozen=True)
-class Dynamic(DraftView):
+class DynamicPages(DraftView):
     """Sinks + the pages with the highest Quest bound for each draft query + a rolling window.
 
     Budget split: ``recent = recent_window`` (default ``draft_budget // 4``), ``n_pages =
@@ -216,8 +217,8 @@ class Dynamic(DraftView):
 
 
 @dataclass
-class PageSelection(CacheHook):
-    """Per-row state of a :class:`Dynamic` view in one cache: page summaries per layer and which
+class PageSelection(RowState):
+    """Per-row state of a :class:`DynamicPages` view in one cache: page summaries per layer and which
     rows select (the cache keeps it aligned with its rows and calls :meth:`on_draft_query`).
 
     Attributes
@@ -229,7 +230,7 @@ class PageSelection(CacheHook):
     page_start, page_tokens : ``[B, N]`` first slot and real tokens of each page.
     """
 
-    view: Dynamic
+    view: DynamicPages
     sinks: int
     page_slots: int
     selecting: torch.Tensor

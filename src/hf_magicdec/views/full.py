@@ -9,7 +9,7 @@ from .base import DraftView
 
 
 @dataclass(frozen=True)
-class Full(DraftView):
+class FullKV(DraftView):
     """Everything goes into a rolling window large enough to never evict (no options; the budget
     is ignored)."""
 

@@ -19,8 +19,9 @@ import torch
 import torch.nn.functional as F
 
 from .. import kernels
+from ..checks import is_int
 from ..defaults import DEFAULT_POOL_KERNEL, DEFAULT_WINDOW
-from .base import DraftView, ScoreContext, check_sizes, is_int, require_int
+from .base import DraftView, ScoreContext, check_sizes, require_int
 
 
 def snapkv_scores(

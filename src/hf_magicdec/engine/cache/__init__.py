@@ -4,12 +4,12 @@ views' slot layout (:mod:`.geometry`), its options (:mod:`.options`), the stacke
 (:mod:`.store`) and the slot arithmetic (:mod:`.buffers`)."""
 
 from .buffers import initial_capacity
-from .cache import CacheHook, MagicDecCache, PromptSnapshot
+from .cache import MagicDecCache, PromptSnapshot, RowState
 from .forwards import DraftForward, Forward, PrefillForward, VerifyForward
 from .geometry import DraftGeometry
 from .layers import MagicDecLayer
 from .store import LayerStack
 from .options import CacheOptions
 
-__all__ = ["CacheHook", "CacheOptions", "DraftForward", "DraftGeometry", "Forward", "LayerStack",
-           "MagicDecCache", "MagicDecLayer", "PrefillForward", "PromptSnapshot", "VerifyForward", "initial_capacity"]
+__all__ = ["CacheOptions", "DraftForward", "DraftGeometry", "Forward", "LayerStack", "MagicDecCache", "MagicDecLayer",
+           "PrefillForward", "PromptSnapshot", "RowState", "VerifyForward", "initial_capacity"]

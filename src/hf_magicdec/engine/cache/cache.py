@@ -28,7 +28,7 @@ Rows that finish leave the working batch (:meth:`MagicDecCache.drop_rows`); when
 KV is handed back they are kept by the cache (:meth:`MagicDecCache.committed_kv`).
 
 Whoever needs per-row state beside the cache's (a query-aware view's page summaries, the refresh
-policy's query rings) keeps it in a :class:`~hf_magicdec.views.CacheHook` and
+policy's query rings) keeps it in a :class:`~hf_magicdec.views.RowState` and
 :meth:`~MagicDecCache.attach`-es it. Nothing outside this package writes the cache's state.
 """
 
@@ -40,7 +40,7 @@ from dataclasses import dataclass
 import torch
 from transformers.cache_utils import Cache
 
-from ...views import CacheHook, DraftView, ScoreContext
+from ...views import DraftView, RowState, ScoreContext
 from .buffers import grown_capacity, row_moves
 from .forwards import DraftForward, Forward, PrefillForward, VerifyForward
 from .geometry import DraftGeometry
@@ -48,7 +48,7 @@ from .layers import MagicDecLayer
 from .options import CacheOptions
 from .store import LayerStack, stack_key
 
-__all__ = ["CacheHook", "MagicDecCache", "PromptSnapshot"]
+__all__ = ["MagicDecCache", "PromptSnapshot", "RowState"]
 
 #: Per layer ``(keys, values)``, ``[B, Hkv, S, D]``.
 LayerKV = list[tuple[torch.Tensor, torch.Tensor]]
@@ -118,8 +118,8 @@ class MagicDecCache(Cache):
         self._forward: Forward | None = None
         self._view: DraftView | None = None
         self._geometry: DraftGeometry | None = None
-        self._view_state: CacheHook | None = None
-        self._hooks: list[CacheHook] = []
+        self._view_state: RowState | None = None
+        self._row_states: list[RowState] = []
         self._finished: list[_Finished] = []
         self._row_tensors: dict = {}  # per-row constants of the current rows (key ranges, masks)
         #: Whether the model rewrites the attention mask it is given (seen during prefill): its
@@ -182,8 +182,9 @@ class MagicDecCache(Cache):
         return self._forward
 
     @property
-    def hooks(self) -> tuple[CacheHook, ...]:
-        return tuple(self._hooks)
+    def row_states(self) -> tuple[RowState, ...]:
+        """The attached per-row states (:meth:`attach`), in the order they were attached."""
+        return tuple(self._row_states)
 
     @property
     def stacks(self) -> tuple[LayerStack, ...]:
@@ -449,7 +450,7 @@ class MagicDecCache(Cache):
         for layer in self.layers:
             layer.forget_observation()
         if self._view_state is not None:
-            self._hooks.remove(self._view_state)
+            self._row_states.remove(self._view_state)
         self._view_state = view.prepare(self, prompt_slots)  # e.g. dynamic's page summaries
         if self._view_state is not None:
             self.attach(self._view_state)
@@ -493,9 +494,9 @@ class MagicDecCache(Cache):
         # target [B|1, Hkv|1, n]: the same view slots in every layer
         stack.copy(stack.full_index(slots), stack.draft_index(target[None]), from_full=True)
 
-    def attach(self, hook: CacheHook) -> None:
-        """Keep ``hook``'s per-row state aligned with the cache's rows (and call its query hooks)."""
-        self._hooks.append(hook)
+    def attach(self, state: RowState) -> None:
+        """Keep ``state`` aligned with the cache's rows (and call its query and commit methods)."""
+        self._row_states.append(state)
 
     # ------------------------------------------------------------------ commit / rows
     def commit(self, num_tokens: torch.Tensor, max_length: int | None = None, feed_views: bool = True) -> None:
@@ -531,11 +532,11 @@ class MagicDecCache(Cache):
 
     def end_step(self, max_length: int) -> None:
         """The host part of :meth:`commit`: ``max_length`` is the new ``lengths.max()`` (read by the
-        caller); the attached hooks see the commit (e.g. the verification-guided view chooses)."""
+        caller); the attached row states see the commit (e.g. the verification-guided view chooses)."""
         self._max_len = max_length
         self._forward = None
-        for hook in self._hooks:
-            hook.on_commit(self)
+        for state in self._row_states:
+            state.on_commit(self)
 
     def _window_offsets(self, n: int) -> torch.Tensor:
         """``[n]`` arange on the rows' device, made once."""
@@ -643,8 +644,8 @@ class MagicDecCache(Cache):
         self.row_ids = self.row_ids.index_select(0, order[:kept])
         if self._geometry is not None:
             self._geometry.select_rows(order[:kept])
-        for hook in self._hooks:
-            hook.select_rows(order[:kept])
+        for state in self._row_states:
+            state.select_rows(order[:kept])
         self._rows_changed()
         self._max_len = max_length if max_length is not None else self._read_max_length()
         return order

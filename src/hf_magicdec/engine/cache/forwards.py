@@ -183,8 +183,8 @@ class DraftForward(Forward):
         return layer.write_draft_range(self.first_slot, key_states, value_states)
 
     def before_attention(self, layer_idx, query, scaling) -> None:
-        for hook in self.cache.hooks:
-            hook.on_draft_query(self.cache, layer_idx, query, scaling)
+        for state in self.cache.row_states:
+            state.on_draft_query(self.cache, layer_idx, query, scaling)
 
 
 class VerifyForward(Forward):
@@ -214,18 +214,18 @@ class VerifyForward(Forward):
         return layer.write_rows(flat, key_states, value_states, self.kv_length)
 
     def before_attention(self, layer_idx, query, scaling) -> None:
-        for hook in self.cache.hooks:
-            hook.on_verify_query(self.cache, layer_idx, query, scaling)
+        for state in self.cache.row_states:
+            state.on_verify_query(self.cache, layer_idx, query, scaling)
 
     def mass_page_size(self, layer_idx: int) -> int:
         """Pages this verify's attention emits its attention mass for (0: none): asked of the
         attached state once per forward (the verification-guided view chooses the draft's KV from it)."""
         if self._page_size is None:
-            self._page_size = next((size for size in (h.verify_page_size(self.num_tokens) for h in self.cache.hooks)
-                                    if size), 0)
+            sizes = (state.verify_page_size(self.num_tokens) for state in self.cache.row_states)
+            self._page_size = next((size for size in sizes if size), 0)
         return self._page_size
 
     def record_mass(self, layer_idx: int, mass: torch.Tensor) -> None:
         """The attention mass ``[B, Hkv, pages]`` this verify's layer ``layer_idx`` emitted."""
-        for hook in self.cache.hooks:
-            hook.on_verify_mass(self.cache, layer_idx, mass)
+        for state in self.cache.row_states:
+            state.on_verify_mass(self.cache, layer_idx, mass)

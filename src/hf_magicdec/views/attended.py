@@ -29,16 +29,17 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..checks import is_int
 from ..defaults import DEFAULT_PAGE_SIZE, DEFAULT_POOL_KERNEL, DEFAULT_SINK_TOKENS, DEFAULT_WINDOW
-from .base import CacheHook, DraftView, ScoreContext, ViewCache, check_sizes, is_int, require_int
+from .base import DraftView, RowState, ScoreContext, ViewCache, check_sizes, require_int
 from .dynamic import select_page_slots
 from .snapkv import snapkv_scores
 
-__all__ = ["Verified", "VerifiedSelection"]
+__all__ = ["AttendedPages", "AttendedPageSelection"]
 
 
 @dataclass(frozen=True)
-class Verified(DraftView):
+class AttendedPages(DraftView):
     """Sinks + the pages the verifier attended to most + a rolling window.
 
     Re-chooses its static part itself (``reselects``): not with ``refresh_every`` /
@@ -68,7 +69,7 @@ class Verified(DraftView):
         SnapKV's observation window and pooling, for the static part before the first choice.
     """
 
-    name = "verified"
+    name = "attended"
     reselects = True
 
     sink_tokens: int = DEFAULT_SINK_TOKENS
@@ -98,7 +99,7 @@ class Verified(DraftView):
         check_sizes(budget, gamma)
         if budget - self._recent(budget) < self.sink_tokens + self.page_size:
             raise ValueError(
-                "verified needs room for the sinks and one page: draft_budget - recent window >= sink_tokens + "
+                "attended needs room for the sinks and one page: draft_budget - recent window >= sink_tokens + "
                 f"page_size, got draft_budget={budget}, recent window {self._recent(budget)}, "
                 f"sink_tokens={self.sink_tokens}, page_size={self.page_size}."
             )
@@ -125,17 +126,17 @@ class Verified(DraftView):
         sink = ctx.valid & (rank <= self.sink_tokens)
         return scores.masked_fill(sink[:, None, :], float("inf")).nan_to_num(posinf=1e30)
 
-    def prepare(self, cache: ViewCache, prompt_slots: int) -> "VerifiedSelection":
+    def prepare(self, cache: ViewCache, prompt_slots: int) -> "AttendedPageSelection":
         geometry = cache.geometry
         # One host read per generation: whether some row's prompt fitted the view (it will need
         # the full layout once it outgrows it); long prompts never do, and skip that work.
         short = bool((geometry.static_count < geometry.static_slots).any())
-        return VerifiedSelection(self, geometry.static_slots, geometry.window_slots, needs_layout=short)
+        return AttendedPageSelection(self, geometry.static_slots, geometry.window_slots, needs_layout=short)
 
 
 @dataclass
-class VerifiedSelection(CacheHook):
-    """Per-row state of a :class:`Verified` view in one cache: the verify attention's mass per page
+class AttendedPageSelection(RowState):
+    """Per-row state of a :class:`AttendedPages` view in one cache: the verify attention's mass per page
     of the verification the next choice follows, per layer (the cache keeps it aligned with its rows, asks it which
     page size verify forwards emit mass for, hands it that mass, and calls :meth:`on_commit`).
 
@@ -150,7 +151,7 @@ class VerifiedSelection(CacheHook):
     commits : steps committed since the view was built (each adds a token to every live row).
     """
 
-    view: Verified
+    view: AttendedPages
     static: int
     window: int
     mass: dict[int, torch.Tensor] = field(default_factory=dict)

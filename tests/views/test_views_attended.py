@@ -1,4 +1,4 @@
-"""The verification-guided ``verified`` draft view: the draft's KV chosen by the verify pass's attention mass."""
+"""The verification-guided ``attended`` draft view: the draft's KV chosen by the verify pass's attention mass."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from hf_magicdec.engine.cache import MagicDecCache
 from hf_magicdec.planner import ModelSpec, estimate, get_hardware
 from hf_magicdec.planner.selection import choice_seconds
 from hf_magicdec.views import get_view
-from hf_magicdec.views.verified import VerifiedSelection
+from hf_magicdec.views.attended import AttendedPageSelection
 
 from conftest import assert_view_samples_like_stock, ragged_prompts, slot_encoded_cache, static_slots
 
@@ -24,8 +24,8 @@ def _cache(batch: int, prompt: int, pad: list[int], capacity: int = 128) -> Magi
     return slot_encoded_cache(torch.randn(batch, HKV, prompt, D), pad, capacity)
 
 
-def _state(cache: MagicDecCache) -> VerifiedSelection:
-    (state,) = [h for h in cache.hooks if isinstance(h, VerifiedSelection)]
+def _state(cache: MagicDecCache) -> AttendedPageSelection:
+    (state,) = [s for s in cache.row_states if isinstance(s, AttendedPageSelection)]
     return state
 
 
@@ -43,7 +43,7 @@ def test_choice_is_the_pages_with_most_verify_mass_never_sinks_padding_or_window
     torch.manual_seed(0)
     batch, prompt, pad = 3, 72, [0, 9, 52]  # row 2: 20 real tokens, fits the view (24 + 8 slots)
     cache = _cache(batch, prompt, pad)
-    config = MagicDecConfig.from_any(draft="verified", draft_budget=32, sink_tokens=2, page_size=4, recent_window=8,
+    config = MagicDecConfig.from_any(draft="attended", draft_budget=32, sink_tokens=2, page_size=4, recent_window=8,
                                      window=4, gamma=2, every=1)
     cache.build_draft_views(config.view, config.draft_budget, config.gamma, prompt, max_new_tokens=8)
     ks, w = cache.static_slots, cache.window_slots
@@ -76,7 +76,7 @@ def test_choice_is_the_pages_with_most_verify_mass_never_sinks_padding_or_window
 def test_choice_waits_for_every_and_plain_steps_choose_nothing():
     torch.manual_seed(1)
     cache = _cache(1, 64, [0])
-    view = get_view("verified", sink_tokens=0, page_size=4, recent_window=8, every=3, window=4)
+    view = get_view("attended", sink_tokens=0, page_size=4, recent_window=8, every=3, window=4)
     cache.build_draft_views(view, 24, 2, 64, max_new_tokens=8)
     state = _state(cache)
     assert state.verify_page_size(1) == 0
@@ -99,7 +99,7 @@ def test_the_first_verification_chooses_while_the_window_holds_every_generated_t
     """The verifier's queries re-rank the prompt's pages from the first verification on, before
     the rolling window has rolled over (the choice is never held back for it)."""
     cache = _cache(1, 64, [0])
-    view = get_view("verified", sink_tokens=0, page_size=4, recent_window=8, every=1, window=4)
+    view = get_view("attended", sink_tokens=0, page_size=4, recent_window=8, every=1, window=4)
     cache.build_draft_views(view, 24, 2, 64, max_new_tokens=40)
     state = _state(cache)
     assert state.verify_page_size(3) == 4  # 3 tokens to verify, none committed yet: it emits
@@ -113,13 +113,13 @@ def test_the_first_verification_chooses_while_the_window_holds_every_generated_t
 
 def _count_choices(monkeypatch) -> list[int]:
     calls = []
-    choose = VerifiedSelection._choose
+    choose = AttendedPageSelection._choose
 
     def counted(self, cache, ready):
         calls.append(int(ready.sum()))
         return choose(self, cache, ready)
 
-    monkeypatch.setattr(VerifiedSelection, "_choose", counted)
+    monkeypatch.setattr(AttendedPageSelection, "_choose", counted)
     return calls
 
 
@@ -132,11 +132,11 @@ def test_long_generation_from_short_prompts_is_lossless_and_chooses(tiny_models,
     calls = _count_choices(monkeypatch)
     kwargs = dict(input_ids=ids, attention_mask=mask, max_new_tokens=60, do_sample=False, eos_token_id=None)
     stock = model.generate(**kwargs)
-    out = model.generate(**kwargs, speculative="magicdec", draft="verified", draft_budget=24, sink_tokens=1,
+    out = model.generate(**kwargs, speculative="magicdec", draft="attended", draft_budget=24, sink_tokens=1,
                          page_size=4, recent_window=8, window=4, gamma=3, return_dict_in_generate=True)
     assert torch.equal(out.sequences, stock)
     assert calls and max(calls) == 3  # every row outgrew its 24-slot view and was chosen for
-    assert out.speculation.draft == "verified"
+    assert out.speculation.draft == "attended"
 
 
 def test_verify_mass_sums_to_one_per_query_and_head(tiny_models, monkeypatch):
@@ -144,16 +144,16 @@ def test_verify_mass_sums_to_one_per_query_and_head(tiny_models, monkeypatch):
     to (γ + 1) queries × the query heads of the group."""
     model = tiny_models("llama-gqa3")  # 6 query heads over 2 KV heads
     seen = []
-    record = VerifiedSelection.on_verify_mass
+    record = AttendedPageSelection.on_verify_mass
 
     def spy(self, cache, layer_idx, mass):
         seen.append(mass.clone())
         return record(self, cache, layer_idx, mass)
 
-    monkeypatch.setattr(VerifiedSelection, "on_verify_mass", spy)
+    monkeypatch.setattr(AttendedPageSelection, "on_verify_mass", spy)
     ids, mask = ragged_prompts(2, 40, seed=4, min_len=31)
     model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=12, do_sample=False, eos_token_id=None,
-                   speculative="magicdec", draft="verified", draft_budget=24, sink_tokens=1, page_size=4,
+                   speculative="magicdec", draft="attended", draft_budget=24, sink_tokens=1, page_size=4,
                    recent_window=8, window=4, gamma=2)
     assert seen
     heads, kv_heads = model.config.num_attention_heads, model.config.num_key_value_heads
@@ -163,22 +163,22 @@ def test_verify_mass_sums_to_one_per_query_and_head(tiny_models, monkeypatch):
         torch.testing.assert_close(mass.sum(-1), torch.full((rows, kv_heads), 3.0 * heads / kv_heads))
 
 
-def test_verified_sampling_keeps_the_distribution():
-    """Sampling through the verified view reproduces stock sampling's distribution (two-sample chi-square)."""
-    assert_view_samples_like_stock(4, draft="verified", draft_budget=12, sink_tokens=1, page_size=2,
+def test_attended_sampling_keeps_the_distribution():
+    """Sampling through the attended view reproduces stock sampling's distribution (two-sample chi-square)."""
+    assert_view_samples_like_stock(4, draft="attended", draft_budget=12, sink_tokens=1, page_size=2,
                                    recent_window=3, window=4, gamma=2)
 
 
-def test_verified_config_validation():
+def test_attended_config_validation():
     with pytest.raises(ValueError, match="page_size=0"):
-        MagicDecConfig.from_any(draft="verified", page_size=0)
+        MagicDecConfig.from_any(draft="attended", page_size=0)
     with pytest.raises(ValueError, match="every=0"):
-        MagicDecConfig.from_any(draft="verified", every=0)
+        MagicDecConfig.from_any(draft="attended", every=0)
     with pytest.raises(ValueError, match="room for the sinks and one page"):
-        MagicDecConfig.from_any(draft="verified", draft_budget=32, sink_tokens=16, page_size=16, gamma=3)
+        MagicDecConfig.from_any(draft="attended", draft_budget=32, sink_tokens=16, page_size=16, gamma=3)
     with pytest.raises(ValueError, match="refresh"):  # it re-chooses itself
-        MagicDecConfig.from_any(draft="verified", draft_budget=256, gamma=3, refresh_every=8)
-    view = MagicDecConfig.from_any(draft="verified", draft_budget=256, gamma=3).view
+        MagicDecConfig.from_any(draft="attended", draft_budget=256, gamma=3, refresh_every=8)
+    view = MagicDecConfig.from_any(draft="attended", draft_budget=256, gamma=3).view
     assert view.reselects and not view.query_aware
     assert view.static_slots(256, 4096) == 192 and view.window_slots(256, 3, 4096, 128) == 64
 
@@ -186,7 +186,7 @@ def test_verified_config_validation():
 def test_cost_model_charges_the_choice_once_per_every():
     config = json.loads((Path(__file__).parents[1] / "configs" / "llama-3.1-8b.json").read_text())
     spec, hw = ModelSpec.from_config(config, name="llama-3.1-8b"), get_hardware("h100")
-    view, sparse = get_view("verified"), get_view("verified", every=8)
+    view, sparse = get_view("attended"), get_view("attended", every=8)
     per_verify = choice_seconds(spec, hw, 32, 32768, 512, view)
     assert per_verify > choice_seconds(spec, hw, 32, 32768, 512, sparse) > 0
     assert choice_seconds(spec, hw, 32, 32768, 512, get_view("snapkv")) == 0.0
@@ -202,7 +202,7 @@ def test_cost_model_charges_the_twins_explicit_softmax_where_the_mass_is_not_fus
     probabilities once more (4·B·H·q·S bytes per layer), priced per verification like the rest;
     the fused kernel's few bytes per page stay the whole cost on a GPU preset."""
     config = json.loads((Path(__file__).parents[1] / "configs" / "llama-3.1-8b.json").read_text())
-    spec, view = ModelSpec.from_config(config, name="llama-3.1-8b"), get_view("verified")
+    spec, view = ModelSpec.from_config(config, name="llama-3.1-8b"), get_view("attended")
     cpu = get_hardware("cpu")
     assert not cpu.fused_mass and get_hardware("h100").fused_mass
     fused = cpu.replace(fused_mass=True)
