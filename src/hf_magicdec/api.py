@@ -232,7 +232,7 @@ def _speculate(call: _Call, resolution: Resolution, draft_model):
         key = draft_key(config.draft_name, draft_model, config.draft_weights)
         remember = AcceptanceRecorder(stats, functools.partial(record_acceptance, call.model, key, config.draft_budget))
     streamer = call.request.streamer
-    observers = Observers(StatsRecorder(stats, call.input_ids.device), scores, remember,
+    observers = Observers(StatsRecorder(stats, call.input_ids.device, gamma), scores, remember,
                           StreamerObserver(streamer) if streamer is not None else None)
     graphs = StepGraphs(call.compile_config) if call.compile_config is not None else None
     engine = Engine(target, drafter, gen, call.logits_processor, call.stopping_criteria, chunk, scratch, gamma,

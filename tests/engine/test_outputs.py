@@ -32,3 +32,13 @@ def test_measured_speedup_from_the_calls_own_steps():
     assert "per row-step: acceptance 0.750" in text and "[1, 0, 0, 3], plain row-steps 4" in text
     assert "predicted 1.40x over plain decoding" in text and "measured: 1.62x" in text
     assert SpeculationStats(gamma_trace=[3], step_seconds=[0.1], accepted_lengths=[[2]]).measured_speedup() is None
+
+
+def test_the_summary_says_why_gamma_was_zero():
+    s = _stats()
+    s.off_reasons = ["timing", "context", "", ""]
+    text = s.summary()
+    assert "gamma 0 because: steps 1-1: timing plain steps to check the cost model; steps 2-2: the context is " \
+           "still too short" in text
+    s.off_reasons = ["asked", "asked", "", ""]
+    assert "steps 1-2: gamma=0 was asked for" in s.summary()

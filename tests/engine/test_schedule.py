@@ -116,6 +116,10 @@ def test_schedule_waits_for_break_even_then_speculates_losslessly(monkeypatch):
     assert runs[0][2] == 0 and runs[0][1] > 20, runs  # plain decoding first
     assert any(g > 0 for _, _, g in runs[1:]), runs  # then speculation
     assert 0 < out.speculation.acceptance_rate <= 1 and "gamma by step" in out.speculation.summary()
+    # The run says why it decoded plainly first: the context was still too short (break-even ahead).
+    reasons = out.speculation.off_reasons
+    assert len(reasons) == len(out.speculation.gamma_trace) and set(reasons[:runs[0][1]]) == {"context"}
+    assert "gamma 0 because: steps 1-" in out.speculation.summary()
 
 
 def test_schedule_keeps_the_sampling_distribution(monkeypatch):

@@ -41,6 +41,20 @@ def test_gamma_controller_follows_acceptance():
     assert capped.gamma == 5 and capped.update(5, 5) <= 5
 
 
+def test_gamma_controller_says_why_it_turned_speculation_off():
+    """reason: "" while drafting; "acceptance" when what was observed does not pay; "context"
+    when not even an optimistic acceptance would (drafts cost nearly a plain step)."""
+    low = GammaController(3, 8, 0.7, **RATIOS, allow_off=True)
+    assert low.reason == ""
+    for _ in range(40):
+        low.update(accepted=0, drafted=8 * max(low.gamma, 1))
+    assert low.gamma == 0 and low.reason == "acceptance"
+    costly = GammaController(3, 8, 0.7, draft_ratio=0.95, verify_ratio={g: 1.0 + 0.3 * g for g in range(1, 9)},
+                             allow_off=True)
+    costly.update(accepted=8, drafted=8)
+    assert costly.gamma == 0 and costly.reason == "context"
+
+
 def test_planner_declines_short_prompts_and_decodes_as_stock(tiny_models):
     model = tiny_models("llama-gqa3")
     ids, mask = ragged_prompts(batch=3, length=30, seed=2)

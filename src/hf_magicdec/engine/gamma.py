@@ -19,6 +19,8 @@ class FixedGamma:
 
     def __init__(self, gamma: int):
         self.gamma = gamma
+        #: Why γ is 0 (``planner.gamma.OFF_REASONS`` key, or "asked"), "" when it is not.
+        self.reason = "asked" if gamma == 0 else ""
 
     def after_step(self, accepted: int, drafted: int, alive: int = 0, context: int = 0,
                    seconds: float | None = None) -> int:
@@ -46,3 +48,8 @@ class AdaptiveGamma:
         seconds = micros[0] / 1e6 if micros else None
         self.gamma = self.controller.update(accepted, drafted, alive, context // alive if alive else 0, seconds)
         return self.gamma
+
+    @property
+    def reason(self) -> str:
+        """Why γ is 0 (a ``planner.gamma.OFF_REASONS`` key), "" when it is not."""
+        return self.controller.reason

@@ -78,10 +78,12 @@ class Observers(Observer):
 
 
 class StatsRecorder(Observer):
-    """Fills :class:`~hf_magicdec.SpeculationStats`: per-row accepted lengths and γ, phase times."""
+    """Fills :class:`~hf_magicdec.SpeculationStats`: per-row accepted lengths and γ, phase times,
+    and why a step's γ was 0 (``gamma_policy.reason`` when the step starts: the decision that chose
+    its γ)."""
 
-    def __init__(self, stats: SpeculationStats, device: torch.device):
-        self.stats, self.device = stats, device
+    def __init__(self, stats: SpeculationStats, device: torch.device, gamma_policy=None):
+        self.stats, self.device, self.gamma_policy = stats, device, gamma_policy
         self._t, self._prefilled = 0.0, False
         # Per-step rows and accepted counts stay on the device; read once at the end (no sync per step).
         self._rows: list[torch.Tensor] = []
@@ -107,6 +109,7 @@ class StatsRecorder(Observer):
         stats.steps += 1
         stats.gamma_trace.append(gamma)
         stats.step_seconds.append(draft_seconds + verify_seconds)
+        stats.off_reasons.append(getattr(self.gamma_policy, "reason", "") if gamma == 0 else "")
         self._rows.append(rows)
         self._accepted.append(accepted)
 

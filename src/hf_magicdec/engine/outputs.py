@@ -6,6 +6,8 @@ from dataclasses import dataclass, field
 
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
+from ..planner.gamma import OFF_REASONS
+
 
 @dataclass
 class SpeculationStats:
@@ -41,6 +43,9 @@ class SpeculationStats:
         finish); a γ = 0 step is a plain decoding step. Counts per row are "row-steps".
     step_seconds : list[float]
         Wall time of every step (its draft and verify phases), in order; see the timers below.
+    off_reasons : list[str]
+        Why each step's γ was 0, in order ("" for a drafting step): a key of
+        :data:`hf_magicdec.planner.gamma.OFF_REASONS`, or ``"asked"`` (``gamma=0``).
     refreshes : int
         Times the static part of the draft view was re-selected (``refresh_every`` /
         ``refresh_below``; see :mod:`hf_magicdec.engine.refresh`).
@@ -71,6 +76,7 @@ class SpeculationStats:
     plan: dict | None = None
     refreshes: int = 0
     step_seconds: list[float] = field(default_factory=list)
+    off_reasons: list[str] = field(default_factory=list)
 
     def _drafted(self, row: int) -> int:
         if self.row_gammas and self.row_gammas[row]:
@@ -148,6 +154,18 @@ class SpeculationStats:
                 runs.append((step, step, gamma))
         return runs
 
+    def _off_runs(self) -> str:
+        """Runs of plain steps with the reason for each, ``"steps 1-3: timing ...; 4-63: ..."``."""
+        words = dict(OFF_REASONS, asked="gamma=0 was asked for")
+        runs: list[list] = []
+        for step, reason in enumerate(self.off_reasons, start=1):
+            if reason and runs and runs[-1][2] == reason and runs[-1][1] == step - 1:
+                runs[-1][1] = step
+            elif reason:
+                runs.append([step, step, reason])
+        shown = "; ".join(f"steps {a}-{b}: {words.get(r, r)}" for a, b, r in runs[:6])
+        return shown + (" ..." if len(runs) > 6 else "")
+
     @property
     def speculated(self) -> bool:
         """Whether the engine ran (False: the planner sent the call to stock decoding)."""
@@ -202,6 +220,8 @@ class SpeculationStats:
         if len(runs) > 1 or (runs and runs[0][2] == 0):
             shown = ", ".join(f"{a}-{b}: {g}" for a, b, g in runs[:12]) + (" ..." if len(runs) > 12 else "")
             lines.append(f"gamma by step: {shown}")
+        if any(self.off_reasons):
+            lines.append(f"gamma 0 because: {self._off_runs()}")
         measured = self.measured_speedup()
         if measured is not None:
             lines.append(f"measured: {measured:.2f}x over this call's plain steps (time per token per row)")

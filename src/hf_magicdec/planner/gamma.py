@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from .schedule import StepModel, best_gamma
 
-__all__ = ["CostProbe", "GammaController"]
+__all__ = ["CostProbe", "GammaController", "OFF_REASONS"]
 
 # Why each value: docs/cost_model.md, "Where the constants come from".
 #: Drafted tokens' worth of confidence in the prior when blending it with what was observed.
@@ -22,6 +22,15 @@ COST_PRIOR_STEPS = 2
 #: steps, and after twice as many each time a re-probe ends off again.
 REPROBE_AFTER = 16
 REPROBE_STEPS = 4
+
+
+#: Why a controller chose γ = 0 (``GammaController.reason``), in the words a run summary shows.
+OFF_REASONS = {
+    "timing": "timing plain steps to check the cost model",
+    "context": "the context is still too short for drafts to pay",
+    "costs": "this call's step times say speculating is slower here",
+    "acceptance": "the acceptance observed so far does not pay",
+}
 
 
 class CostProbe:
@@ -113,6 +122,8 @@ class GammaController:
         self._off_steps = 0
         self._reprobe_after = REPROBE_AFTER
         self._reprobe_left = 0
+        #: Why the last γ chosen is 0 (a key of :data:`OFF_REASONS`), "" when it is not.
+        self.reason = ""
 
     @property
     def alpha(self) -> float:
@@ -159,7 +170,7 @@ class GammaController:
         model = draft_ratio, verify_ratio
         if self.measure_costs:
             if self.probe.timing_plain:  # time plain steps first
-                self.gamma = 0
+                self.gamma, self.reason = 0, "timing"
                 return 0
             factor = self.cost_factor
             draft_ratio, verify_ratio = draft_ratio / factor, {g: v / factor for g, v in verify_ratio.items()}
@@ -170,7 +181,18 @@ class GammaController:
         if self.allow_off and self.step_model is not None:
             gamma = self._reprobe(gamma, *model, draft_ratio, verify_ratio)
         self.gamma = gamma
+        self.reason = self._why_off(*model) if gamma == 0 else ""
         return self.gamma
+
+    def _why_off(self, model_draft: float, model_verify: dict[int, float]) -> str:
+        """Why γ is 0, from the cost model's own ratios: not even an optimistic acceptance would
+        pay (the context), the model at the observed acceptance would speculate but the measured
+        step times say no (the costs), or the observed acceptance does not pay."""
+        if not best_gamma(PROBE_ALPHA, model_draft, model_verify, True)[0]:
+            return "context"
+        if self.measure_costs and best_gamma(self.alpha, model_draft, model_verify, True)[0]:
+            return "costs"
+        return "acceptance"
 
     def _reprobe(self, gamma: int, model_draft: float, model_verify: dict[int, float],
                  draft_ratio: float, verify_ratio: dict[int, float]) -> int:
