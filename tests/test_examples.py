@@ -156,7 +156,8 @@ def test_readme_quickstart_runs():
     code = _python_blocks(quick)[0]
     assert len(code.strip().splitlines()) <= 12, "the quickstart should stay about ten lines"
     # The same code at a size that runs in seconds.
-    for old, new in (("prompt_batch(tok, 8, 256)", "prompt_batch(tok, 2, 256)"), ("max_new_tokens=2048", "max_new_tokens=8")):
+    for old, new in (("prompt_batch(tok, 8, 256)", "prompt_batch(tok, 2, 256)"),
+                     ("max_new_tokens=2048", "max_new_tokens=8")):
         assert old in code, f"README quickstart changed: {old!r} not found; update this test"
         code = code.replace(old, new)
     proc = _run(["-c", code])

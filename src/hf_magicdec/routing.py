@@ -148,12 +148,12 @@ def _refuse_near_misses(model, signature, config: MagicDecConfig, call: dict) ->
     stray = [k for k in call if k not in taken and k not in _generation_config_fields()]
     names = keyword_names()
     for key in stray:
-        if not likely_names([key], names):
+        hint = likely_names([key], names)
+        if not hint:
             continue
         if isinstance(config.draft, DraftView) and likely_names([key], config.draft.option_names()):
             get_view(config.draft.name, **{key: call[key]})  # raises: the view's error names the option
-        raise ValueError(f"Unknown MagicDec option {key!r}{likely_names([key], names)}; the options are "
-                         f"{sorted(names)}.")
+        raise ValueError(f"Unknown MagicDec option {key!r}{hint}; the options are {sorted(names)}.")
 
 
 def _route(model, original, signature, spec, args, kwargs):

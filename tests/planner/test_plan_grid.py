@@ -148,6 +148,7 @@ if __name__ == "__main__" and "--write" in sys.argv:
     with tempfile.TemporaryDirectory() as tmp:
         os.environ["HF_MAGICDEC_CACHE"] = tmp
         plans = grid_plans(Path(tmp))
-    lines = (f"{json.dumps(key)}: {json.dumps(plans[key], sort_keys=True, separators=(',', ':'))}" for key in sorted(plans))
+    lines = (f"{json.dumps(key)}: {json.dumps(plans[key], sort_keys=True, separators=(',', ':'))}"
+             for key in sorted(plans))
     GOLDEN.write_text("{\n" + ",\n".join(lines) + "\n}\n")  # one plan a line: its diff names the plans that moved
     print(f"wrote {GOLDEN}")

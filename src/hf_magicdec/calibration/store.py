@@ -78,7 +78,8 @@ class Measurement:
     def predict(self, model: ModelSpec, hardware: HardwareSpec) -> float:
         """Roofline prediction of this forward on ``hardware``, seconds."""
         return forward_cost(model.with_weights(self.weights), hardware, batch=self.batch,
-                            query_tokens=self.query_tokens, kv_tokens=self.kv_tokens, logit_tokens=self.logit_tokens).seconds
+                            query_tokens=self.query_tokens, kv_tokens=self.kv_tokens,
+                            logit_tokens=self.logit_tokens).seconds
 
 
 @dataclass(frozen=True)

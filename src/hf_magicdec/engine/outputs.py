@@ -9,6 +9,18 @@ from transformers.generation.utils import GenerateDecoderOnlyOutput
 from ..planner.gamma import OFF_REASONS
 
 
+def _runs(values: list) -> list[tuple[int, int, object]]:
+    """``values`` (one per step) as runs of equal values ``(first step, last step, value)``,
+    1-based and inclusive."""
+    runs: list[tuple[int, int, object]] = []
+    for step, value in enumerate(values, start=1):
+        if runs and runs[-1][2] == value:
+            runs[-1] = (runs[-1][0], step, value)
+        else:
+            runs.append((step, step, value))
+    return runs
+
+
 @dataclass
 class SpeculationStats:
     """Per-row speculation statistics of one generation.
@@ -146,23 +158,12 @@ class SpeculationStats:
         """γ over the generation as runs ``(first step, last step, γ)`` (1-based, inclusive):
         γ = 0 steps decoded plainly on MagicDec's cache (a schedule that waits for the context to
         grow, or that turned speculation off)."""
-        runs: list[tuple[int, int, int]] = []
-        for step, gamma in enumerate(self.gamma_trace, start=1):
-            if runs and runs[-1][2] == gamma:
-                runs[-1] = (runs[-1][0], step, gamma)
-            else:
-                runs.append((step, step, gamma))
-        return runs
+        return _runs(self.gamma_trace)
 
     def _off_runs(self) -> str:
         """Runs of plain steps with the reason for each, ``"steps 1-3: timing ...; 4-63: ..."``."""
         words = dict(OFF_REASONS, asked="gamma=0 was asked for")
-        runs: list[list] = []
-        for step, reason in enumerate(self.off_reasons, start=1):
-            if reason and runs and runs[-1][2] == reason and runs[-1][1] == step - 1:
-                runs[-1][1] = step
-            elif reason:
-                runs.append([step, step, reason])
+        runs = [run for run in _runs(self.off_reasons) if run[2]]  # "": a drafting step
         shown = "; ".join(f"steps {a}-{b}: {words.get(r, r)}" for a, b, r in runs[:6])
         return shown + (" ..." if len(runs) > 6 else "")
 

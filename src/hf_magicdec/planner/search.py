@@ -4,9 +4,9 @@ that plain decoding is faster.
 Search: every (draft, budget, γ) with ``budget < prompt_len`` (a larger view holds the whole
 prompt: nothing is compressed; with ``schedule=True``, where γ follows the context, ``budget <
 prompt_len + new_tokens``: the view holds everything until the generation outgrows it) that the
-view accepts (``view.fits(budget, gamma)``, the same check as :class:`~hf_magicdec.MagicDecConfig`), evaluated at the mean context over the
-generation, ``prompt_len + new_tokens / 2``. Step times come from the roofline on ``hardware``
-(or on the calibrated device when ``calibration`` is given).
+view accepts (``view.fits(budget, gamma)``, the same check as :class:`~hf_magicdec.MagicDecConfig`),
+evaluated at the mean context over the generation, ``prompt_len + new_tokens / 2``. Step times
+come from the roofline on ``hardware`` (or on the calibrated device when ``calibration`` is given).
 
 The planner stays torch-free: it never imports the views. Its callers hand it view objects
 (``hf_magicdec.views.get_view(name, **options)``; :func:`hf_magicdec.plan` takes names), read

@@ -125,7 +125,8 @@ def main(argv: list[str] | None = None, prog: str = "hf-magicdec bench") -> int:
             text=args.text, repeats=args.repeats,
             warmup=not args.no_warmup, own_ar=not args.no_own_ar, static_baseline=args.static_baseline,
             stop_at_eos=args.stop_at_eos,
-            assistant=args.assistant, prompt_lookup=args.prompt_lookup, prefill_chunk=args.prefill_chunk, draft_model=args.draft_model,
+            assistant=args.assistant, prompt_lookup=args.prompt_lookup, prefill_chunk=args.prefill_chunk,
+            draft_model=args.draft_model,
             draft_model_views=tuple(args.draft_model_view), share_prefill=args.share_prefill,
             default_plan=args.default_plan, rounds=args.rounds, temperature=args.temperature,
         )

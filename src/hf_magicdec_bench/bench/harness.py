@@ -13,6 +13,7 @@ the hooks sit on the model, not in either decoding loop.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import gc
 import os
@@ -22,13 +23,14 @@ import subprocess
 import sys
 import threading
 import time
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
 import torch
 import transformers
-from hf_magicdec import __version__
+from hf_magicdec import MagicDecWarning, __version__
 from hf_magicdec.calibration import cpu_name
 from torch.nn.modules.module import register_module_forward_pre_hook
 from transformers import PreTrainedModel
@@ -226,6 +228,15 @@ class Measurement:
     speculation: Any = None  # SpeculationStats of the last run (MagicDec only)
     peak_bytes: int | None = None
     extra: dict = field(default_factory=dict)
+
+
+@contextlib.contextmanager
+def quiet_warm_up():
+    """Around a discarded warm-up call: its plan (for a tiny prompt, usually plain decoding) is not
+    the measured call's, so the :class:`~hf_magicdec.MagicDecWarning` it raises is not shown."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", MagicDecWarning)
+        yield
 
 
 def measure(run: Callable[[Clock], Any], repeats: int, device: torch.device, progress_factory=None) -> Measurement:

@@ -43,7 +43,6 @@ import logging
 import os
 import statistics
 import time
-import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -52,11 +51,11 @@ import torch
 from tqdm.auto import tqdm
 from transformers import DynamicCache, StaticCache
 
-from hf_magicdec import MagicDecConfig, MagicDecWarning, shared_prefill
+from hf_magicdec import MagicDecConfig, shared_prefill
 from hf_magicdec.defaults import AUTO, DEFAULT_WINDOW
 
 from .. import data
-from .harness import Measurement, environment, measure
+from .harness import Measurement, environment, measure, quiet_warm_up
 from .report import POSITION_WINDOWS
 from .runner import (
     OWN_AR_BUDGET,
@@ -283,8 +282,7 @@ def _run_point(spec, model, small, info, generate, ids, outer, token_bar, device
         warm[:, 0] = ids[:, 0]
         for m in methods:
             outer.set_postfix_str(f"B={batch} S={context} warm-up {m.label}")
-            with warnings.catch_warnings():  # the tiny warm-up call's own plan is not the measured call's
-                warnings.simplefilter("ignore", MagicDecWarning)
+            with quiet_warm_up():
                 m.warm(warm, 4)
 
     # The reference: stock generate from scratch. Its tokens are every method's target, its

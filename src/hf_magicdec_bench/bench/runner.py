@@ -12,19 +12,18 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import warnings
 from dataclasses import dataclass, field
 from typing import Callable
 
 import hf_magicdec
 import torch
-from hf_magicdec import MagicDecConfig, MagicDecWarning, get_view, shared_prefill
+from hf_magicdec import MagicDecConfig, get_view, shared_prefill
 from hf_magicdec.defaults import AUTO, DEFAULT_BUDGET, DEFAULT_DRAFT
 from hf_magicdec.planner import ModelSpec, search_plan
 from tqdm.auto import tqdm
 
 from .. import data, models
-from .harness import Measurement, environment, measure
+from .harness import Measurement, environment, measure, quiet_warm_up
 
 log = logging.getLogger("hf_magicdec")
 
@@ -89,7 +88,8 @@ class BenchSpec:
         if self.new_tokens < 2:
             raise ValueError(f"new_tokens must be >= 2 (decode starts after the first token), got {self.new_tokens=}")
         if self.prompt_lookup is not None and (not isinstance(self.prompt_lookup, int) or self.prompt_lookup < 1):
-            raise ValueError(f"prompt_lookup must be an int >= 1 (tokens per lookup draft), got {self.prompt_lookup=!r}")
+            raise ValueError(f"prompt_lookup must be an int >= 1 (tokens per lookup draft), "
+                             f"got {self.prompt_lookup=!r}")
         if self.prefill_chunk is not None and self.prefill_chunk < 1:
             raise ValueError(f"prefill_chunk must be >= 1, got {self.prefill_chunk=}")
         if self.repeats < 1:
@@ -101,7 +101,8 @@ class BenchSpec:
                 raise ValueError("rounds and repeats are two timing protocols: use one of them "
                                  f"(got {self.rounds=} and {self.repeats=})")
             if self.assistant or self.prompt_lookup:
-                raise ValueError("rounds does not run HF's batch-1 methods (assistant, prompt_lookup): drop one of them")
+                raise ValueError("rounds does not run HF's batch-1 methods (assistant, prompt_lookup): "
+                                 "drop one of them")
         if not self.temperature >= 0:
             raise ValueError(f"temperature must be >= 0 (0: greedy), got {self.temperature=}")
         if self.temperature > 0 and self.rounds is None:
@@ -433,8 +434,7 @@ def run(spec: BenchSpec, progress: bool = True, on_result: Callable[[Result], No
         if spec.warmup and key not in warmed:  # discarded: first-call allocations and thread pools
             warm = ids[:, -min(64, ids.shape[1]):].clone()
             warm[:, 0] = ids[:, 0]
-            with warnings.catch_warnings():  # the tiny warm-up call's own plan is not the measured call's
-                warnings.simplefilter("ignore", MagicDecWarning)
+            with quiet_warm_up():
                 run_fn(None, warm, 4)
             warmed.add(key)
         m = measure(lambda clock: run_fn(clock, ids, spec.new_tokens), spec.repeats, device,
