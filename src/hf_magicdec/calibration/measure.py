@@ -14,7 +14,7 @@ import torch
 import transformers
 
 from ..engine.draft_weights import feasible_formats
-from ..planner._checks import check_int
+from ..checks import check_int
 from ..planner.hardware import HardwareSpec
 from ..planner.modelspec import ModelSpec
 from .fit import fit, fit_quantized

@@ -21,7 +21,7 @@ from ..engine.cache import CacheOptions, MagicDecCache
 from ..engine.draft_weights import check_draft_weights, quantized_draft
 from ..engine.drafters import new_cache, quantized_draft_call
 from ..engine.steps import ModelCall, draft_step, prefill, verify_step
-from ..planner._checks import check_int
+from ..checks import check_int
 from ..planner.modelspec import ModelSpec
 from ..views import DraftView
 from .store import StepTimes

@@ -25,7 +25,7 @@ from typing import Any, Mapping
 import torch
 
 from ..notices import notice
-from ..planner._checks import check_number
+from ..checks import check_number
 from ..planner.hardware import HardwareSpec, get_hardware
 from ..planner.modelspec import ModelSpec
 from ..planner.roofline import forward_cost

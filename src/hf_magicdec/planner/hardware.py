@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 from ..defaults import QUANTIZED_FORMATS
-from ._checks import check_int, check_number
+from ..checks import check_int, check_number
 from .dtypes import canonical_dtype
 
 __all__ = ["HardwareSpec", "HARDWARE_PRESETS", "get_hardware"]

@@ -12,7 +12,7 @@ import json
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-from ._checks import check_int
+from ..checks import check_int
 from .dtypes import canonical_dtype, dtype_bytes
 
 __all__ = ["ModelSpec"]

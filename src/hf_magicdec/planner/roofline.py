@@ -33,7 +33,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Mapping
 
-from ._checks import check_int
+from ..checks import check_int
 from .hardware import HardwareSpec
 from .modelspec import ModelSpec
 

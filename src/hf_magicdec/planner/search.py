@@ -12,7 +12,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Iterable, NamedTuple, Protocol
 
-from ._checks import check_int
+from ..checks import check_int
 from .acceptance import WEIGHTS_SEPARATOR, AcceptanceLike, resolve_acceptance
 from .hardware import HardwareSpec, get_hardware
 from .modelspec import ModelSpec

@@ -32,7 +32,7 @@ import math
 from typing import Any
 
 from ..defaults import DEFAULT_PAGE_SIZE
-from ._checks import check_int
+from ..checks import check_int
 from .hardware import HardwareSpec
 from .modelspec import ModelSpec
 from .roofline import _group
