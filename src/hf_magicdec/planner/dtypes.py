@@ -1,9 +1,5 @@
-"""Canonical dtype names and their sizes, without importing torch.
-
-Everything in the cost model names a dtype by one canonical string (``"float32"``,
-``"bfloat16"``, ``"float16"``, ``"float8"``). :func:`canonical_dtype` accepts the usual
-aliases and ``torch.dtype`` objects (through their ``str``), so callers never need torch.
-"""
+"""Canonical dtype names (``"float32"``, ``"bfloat16"``, ``"float16"``, ``"float8"``, ``"int8"``) and
+their sizes, from aliases or ``torch.dtype`` objects (through their ``str``), without importing torch."""
 
 from __future__ import annotations
 
@@ -23,23 +19,7 @@ _ALIASES = {
 
 
 def canonical_dtype(dtype: Any) -> str:
-    """Return the canonical name of ``dtype``.
-
-    Parameters
-    ----------
-    dtype : str or torch.dtype
-        ``"fp32"``, ``"bf16"``, ``"torch.float16"``, ``torch.bfloat16`` …
-
-    Returns
-    -------
-    str
-        One of :data:`DTYPE_BYTES`' keys.
-
-    Raises
-    ------
-    ValueError
-        If the dtype is unknown.
-    """
+    """The canonical name of ``dtype`` (``"fp32"``, ``"bf16"``, ``torch.bfloat16`` …); ValueError if unknown."""
     key = str(dtype).strip().lower()
     if key.startswith("torch."):
         key = key[len("torch."):]
