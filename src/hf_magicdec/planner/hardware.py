@@ -14,7 +14,7 @@ from typing import Any, Mapping
 
 from ..defaults import QUANTIZED_FORMATS
 from ..checks import check_int, check_number
-from .dtypes import canonical_dtype
+from .modelspec import canonical_dtype
 
 __all__ = ["HardwareSpec", "HARDWARE_PRESETS", "get_hardware"]
 
@@ -23,7 +23,7 @@ __all__ = ["HardwareSpec", "HARDWARE_PRESETS", "get_hardware"]
 class HardwareSpec:
     """One accelerator, or ``tp`` identical ones in tensor parallel (rates are per device).
 
-    ``peak_flops``: dense FLOP/s per dtype (canonical names, :func:`~.dtypes.canonical_dtype`).
+    ``peak_flops``: dense FLOP/s per dtype (canonical names, :func:`~.modelspec.canonical_dtype`).
     ``bandwidth``: memory bytes/s; ``memory_bytes``: capacity (only for the "does it fit" check).
     ``tp``: weights, heads and vocabulary are split over ``tp`` devices, two all-reduces per layer
     over ``link_bandwidth`` (bytes/s per direction), each costing ``allreduce_latency`` seconds more.

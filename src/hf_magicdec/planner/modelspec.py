@@ -1,5 +1,7 @@
 """Model shapes the cost model needs, read from a ``PretrainedConfig``, a ``config.json`` dict or any
-object with the usual attributes (no weights loaded, transformers not imported)."""
+object with the usual attributes (no weights loaded, transformers not imported), and the canonical
+dtype names (``"float32"``, ``"bfloat16"``, ``"float16"``, ``"float8"``, ``"int8"``) from aliases or
+``torch.dtype`` objects (through their ``str``), without importing torch."""
 
 from __future__ import annotations
 
@@ -10,9 +12,33 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 
 from ..checks import check_int
-from .dtypes import canonical_dtype, dtype_bytes
 
-__all__ = ["ModelSpec"]
+__all__ = ["ModelSpec", "DTYPE_BYTES", "canonical_dtype", "dtype_bytes"]
+
+#: canonical name -> bytes per element
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float8": 1, "int8": 1}
+
+_ALIASES = {"fp32": "float32", "f32": "float32", "float": "float32", "float32": "float32", "tf32": "float32",
+            "bf16": "bfloat16", "bfloat16": "bfloat16", "fp16": "float16", "f16": "float16", "half": "float16",
+            "float16": "float16", "fp8": "float8", "float8": "float8", "float8_e4m3fn": "float8",
+            "float8_e5m2": "float8", "f8": "float8",
+            "int8": "int8", "qint8": "int8"}  # int8: quantized linear layers (a peak FLOP/s key; weights only)
+
+
+def canonical_dtype(dtype: Any) -> str:
+    """The canonical name of ``dtype`` (``"fp32"``, ``"bf16"``, ``torch.bfloat16`` …); ValueError if unknown."""
+    key = str(dtype).strip().lower()
+    if key.startswith("torch."):
+        key = key[len("torch."):]
+    if key not in _ALIASES:
+        raise ValueError(f"Unknown dtype {dtype=!r}; use one of {sorted(set(_ALIASES))}.")
+    return _ALIASES[key]
+
+
+def dtype_bytes(dtype: Any) -> int:
+    """Bytes per element of ``dtype`` (see :func:`canonical_dtype`)."""
+    return DTYPE_BYTES[canonical_dtype(dtype)]
+
 
 # Bytes per weight of the quantized linear formats (None: the model's dtype).
 _WEIGHT_FORMAT_BYTES = {None: None, "int8": 1.0, "fp16": 2.0, "int4": 0.5}
