@@ -1,20 +1,15 @@
-"""From ``speculative="magicdec"`` with fields left ``"auto"`` to a concrete configuration.
+"""From ``speculative="magicdec"`` with fields left ``"auto"`` to a concrete configuration, per call.
 
-At the start of every ``generate`` call the planner (:mod:`hf_magicdec.planner`) sees the real
-workload (batch, prompt length, new tokens), the model's shapes and the device, and picks the
-draft view, budget and γ, or plain decoding. During the call, :class:`GammaController` re-picks γ
-each step from the acceptance observed so far, with the same cost model.
-
-Device model, in order: ``MagicDecConfig.hardware`` if set; the cached calibration of this model
-on this device and dtype (``hf-magicdec plan --model ... --calibrate``); the preset matching the
-GPU's name; the uncalibrated ``"cpu"`` preset. Acceptance α: what earlier generations of this
-model measured for the same draft view and budget (kept in memory while the model lives, at most
-64 entries per model), else the documented prior (:func:`hf_magicdec.planner.default_acceptance`).
+The planner sees the real workload, the model's shapes and the device model: ``config.hardware``,
+else the cached calibration of this model, device and dtype, else the preset matching the GPU, else
+the uncalibrated ``"cpu"`` preset. α: what earlier generations of this model measured
+(``acceptance_memory``), else the prior.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import logging
 from dataclasses import dataclass
 from typing import Any
@@ -39,9 +34,8 @@ log = logging.getLogger("hf_magicdec")
 
 @dataclass(frozen=True)
 class Target:
-    """What a plan is made for: a model's shapes, name, device, dtype and tensor-parallel degree,
-    and the model itself (None for a config planned for a device without its weights, whose draft
-    weights are then assumed dense floating point, and which has no acceptance memory)."""
+    """What a plan is made for: shapes, name, device, dtype, tensor-parallel degree and the model
+    (None for a config alone: dense draft weights assumed, no acceptance memory)."""
 
     spec: ModelSpec
     name: str
@@ -73,8 +67,7 @@ def hardware_for(model, config: MagicDecConfig):
 
 
 def device_hardware(target: Target, config: MagicDecConfig):
-    """``(HardwareSpec, description)`` for ``target``: ``config.hardware``, else the cached
-    calibration of this model on this device and dtype, else the preset matching the device."""
+    """``(HardwareSpec, description)`` for ``target`` (see the module docstring)."""
     if config.hardware is not None:
         return get_hardware(config.hardware), config.hardware
     device = target.device
@@ -96,10 +89,8 @@ def device_hardware(target: Target, config: MagicDecConfig):
 
 @dataclass
 class Resolution:
-    """What ``generate`` runs: ``config`` (None = plain decoding), the plan behind it, and for
-    adaptive γ the step-time model it re-weighs γ with (``step_model``: T_D/T_T and T_V(γ)/T_T as
-    functions of the live batch and context) and whether γ follows the context down to 0
-    (``schedule``: self-drafting with adaptive γ where the planner may decline)."""
+    """What ``generate`` runs: ``config`` (None: plain decoding), its plan, for adaptive γ the
+    ``step_model`` it re-weighs γ with, and whether γ follows the context down to 0 (``schedule``)."""
 
     config: MagicDecConfig | None
     plan: Any = None
@@ -109,9 +100,8 @@ class Resolution:
 
 
 def _changes(config: MagicDecConfig, p, pool) -> dict:
-    """The fields left ``"auto"`` in ``config`` set to the plan's choice (its view from ``pool``), or to
-    the defaults where the plan has no candidate (the prompt is shorter than every budget considered:
-    the view keeps it whole)."""
+    """The ``"auto"`` fields of ``config`` set to the plan's choice (its view from ``pool``), or to the
+    defaults where the plan has no candidate (the view keeps the prompt whole)."""
     if p.draft is None:
         chosen = {"draft": config.view if config.view is not None else config.candidates[0],
                   "draft_budget": DEFAULT_BUDGET if config.draft_budget == AUTO else config.draft_budget,
@@ -123,28 +113,19 @@ def _changes(config: MagicDecConfig, p, pool) -> dict:
 
 
 def _first_valid(config: MagicDecConfig, changes: dict) -> MagicDecConfig | None:
-    """``config`` with the planner's ``changes``, or, where the explicit fields rule that choice out
-    (a rolling window too small for the chosen γ, a budget not above StreamingLLM's sinks), the
-    nearest choice they allow: smaller γ first, then the other candidate views. None where the
-    planner may decline and nothing fits; the config's own error otherwise."""
-    gammas = [changes["gamma"]] + list(range(changes["gamma"] - 1, 0, -1)) if "gamma" in changes else [None]
-    if "draft" in changes:
-        drafts = [changes["draft"]] + [v for v in config.candidates if v.name != changes["draft"].name]
-    else:
-        drafts = [None]
-    errors: list[str] = []
-    for draft in drafts:
-        for gamma in gammas:
-            trial = dict(changes)
-            if draft is not None:
-                trial["draft"] = draft
-            if gamma is not None:
-                trial["gamma"] = gamma
-            try:
-                return config.replace(**trial, adaptive_gamma=config.adaptive)  # "auto" γ keeps adapting
-            except ValueError as exc:
-                if str(exc) not in errors:
-                    errors.append(str(exc))
+    """``config`` with ``changes``, or the nearest choice its explicit fields allow (smaller γ first,
+    then the other candidate views); None where the planner may decline, else the config's error."""
+    gammas = [changes["gamma"], *range(changes["gamma"] - 1, 0, -1)] if "gamma" in changes else [None]
+    drafts = [changes["draft"], *(v for v in config.candidates if v.name != changes["draft"].name)] \
+        if "draft" in changes else [None]
+    errors: dict[str, None] = {}  # distinct messages, in order
+    for draft, gamma in itertools.product(drafts, gammas):
+        trial = dict(changes, **({} if draft is None else {"draft": draft}),
+                     **({} if gamma is None else {"gamma": gamma}))
+        try:
+            return config.replace(**trial, adaptive_gamma=config.adaptive)  # "auto" γ keeps adapting
+        except ValueError as exc:
+            errors.setdefault(str(exc))
     if config.planner_may_decline:
         return None
     raise ValueError(f"No draft view and gamma fit the explicit settings {config}: " + " / ".join(errors))
@@ -152,15 +133,14 @@ def _first_valid(config: MagicDecConfig, changes: dict) -> MagicDecConfig | None
 
 def resolve(config: MagicDecConfig, model, batch: int, prompt_len: int, new_tokens: int,
             draft_model=None, captured: bool | None = None, describe: bool = False) -> Resolution:
-    """Fill the ``"auto"`` fields of ``config`` for this workload (see module docstring).
+    """Fill the ``"auto"`` fields of ``config`` for ``batch`` rows of ``prompt_len`` tokens and
+    ``new_tokens`` more; the returned plan is always the plan of what runs.
 
-    With a separate ``draft_model``, its candidates (each view on *its* cache) are planned; when
-    ``draft``, ``draft_budget`` and ``gamma`` are all ``"auto"``, self-speculation competes too and
-    may win (``Resolution.use_draft_model`` is then False). ``captured``: whether the call's steps
-    run compiled (``generate`` decides it once); None: decided from ``config.compile`` and the
-    model's generation config. ``describe``: also plan a configuration the planner chooses nothing
-    for (``hf_magicdec.plan``); ``generate`` then runs it without a plan. The returned plan is always
-    the plan of what runs (:func:`_as_run`)."""
+    With a ``draft_model``, its candidates are planned, and where view, budget and γ are all auto
+    self-speculation competes (``Resolution.use_draft_model`` False if it wins). ``captured``: whether
+    the steps run compiled (None: from ``config.compile``). ``describe``: plan an explicit
+    configuration too (``hf_magicdec.plan``).
+    """
     if config.is_resolved and config.draft_weights == AUTO:
         # View, budget and γ all explicit: the planner chooses nothing, so neither the weights
         # (an explicit configuration decodes the same way on every call, seeded sampling included).
@@ -207,11 +187,9 @@ def resolve(config: MagicDecConfig, model, batch: int, prompt_len: int, new_toke
 
 def search_space(config: MagicDecConfig, target: Target | None, draft_model, captured: bool, batch: int,
                  prompt_len: int, new_tokens: int, hardware) -> dict[str, Any]:
-    """The planner's search for ``config`` (:func:`~hf_magicdec.planner.search_plan`'s keywords
-    ``workload``, ``hardware``, ``space``, ``acceptance``): its views or candidates, the budgets and
-    γ it leaves open, the draft weights this device can run, α as measured by earlier generations
-    of the target's model (``config.acceptance_memory``) or the prior. ``target`` None: a config on
-    a named preset (full-precision draft weights only)."""
+    """:func:`~hf_magicdec.planner.search_plan`'s keywords (``workload``, ``hardware``, ``space``,
+    ``acceptance``) for ``config``: what it leaves open, the draft weights the device runs, α observed
+    or the prior. ``target`` None: a config on a named preset (full-precision draft weights)."""
     model = target.model if target is not None else None
 
     def prior_or_observed(draft, budget, context):
@@ -243,9 +221,8 @@ def search_space(config: MagicDecConfig, target: Target | None, draft_model, cap
 
 
 def _weight_candidates(config: MagicDecConfig, target: Target | None, draft_model, captured: bool) -> tuple[str, ...]:
-    """Draft weights the planner weighs: the explicit one, or for ``"auto"`` full precision and the
-    quantized formats this model and device can run (self-drafting only; a CPU quantized draft runs eagerly,
-    so not when the steps are captured; a config without weights: the device's formats)."""
+    """The explicit draft weights, or for ``"auto"`` full and the quantized formats this model and device
+    run (self-drafting, uncaptured steps only)."""
     if config.draft_weights != AUTO:
         return (config.draft_weights,)
     if target is None or draft_model is not None or config.draft_name == "full" or config.gamma == 0 or captured:
@@ -256,14 +233,11 @@ def _weight_candidates(config: MagicDecConfig, target: Target | None, draft_mode
 
 
 def _as_run(p, resolved: MagicDecConfig, spec, kwargs: dict):
-    """The plan of what the call runs: the search's best when that is what runs (``speculate`` True:
-    the call speculates even where the planner may not decline and predicts no gain); else the
-    estimate of the nearest choice the explicit settings allowed."""
+    """The plan of what runs: the search's best if it runs (``speculate`` True even without a predicted
+    gain where the planner may not decline), else the nearest choice the explicit settings allowed."""
     ran = (resolved.draft_name, resolved.draft_budget, resolved.gamma, resolved.draft_weights)
     if resolved.gamma == 0:
-        return dataclasses.replace(p, speculate=False, gamma=0, draft=ran[0], draft_budget=ran[1],
-                                   draft_weights="full", predicted_speedup=1.0,
-                                   reason="gamma=0: plain decoding on MagicDec's cache (no draft)")
+        return _plain_on_cache(p, draft=ran[0], draft_budget=ran[1], draft_weights="full")
     if p.draft is None:  # no budget below the prompt: the view holds it whole, as the defaults say
         return dataclasses.replace(p, speculate=True, draft=ran[0], draft_budget=ran[1], gamma=ran[2],
                                    draft_weights=ran[3], reason=f"speculating as asked, though {p.reason}")
@@ -280,13 +254,11 @@ def _as_run(p, resolved: MagicDecConfig, spec, kwargs: dict):
 
 
 def _explicit_plan(config: MagicDecConfig, spec, kwargs: dict):
-    """The plan of a configuration with nothing left to choose: its own estimate (it runs whatever
-    that predicts; ``gamma=0`` decodes plainly on MagicDec's cache)."""
+    """The plan of a configuration with nothing left to choose: its own estimate, run as given."""
     view = config.view
     p = _pinned(spec, kwargs, config, draft_model=True)
     if config.gamma == 0:
-        return dataclasses.replace(p, speculate=False, gamma=0, predicted_speedup=1.0,
-                                   reason="gamma=0: plain decoding on MagicDec's cache (no draft)")
+        return _plain_on_cache(p)
     if p.draft is None:  # the budget holds the whole prompt: the search has no candidate, the call runs it
         return dataclasses.replace(p, speculate=True, draft=view.name, draft_budget=config.draft_budget,
                                    gamma=config.gamma, draft_weights=config.draft_weights,
@@ -295,10 +267,14 @@ def _explicit_plan(config: MagicDecConfig, spec, kwargs: dict):
                                                          f"{p.predicted_speedup:.2f}x)")
 
 
+def _plain_on_cache(p, **changes):
+    return dataclasses.replace(p, speculate=False, gamma=0, predicted_speedup=1.0,
+                               reason="gamma=0: plain decoding on MagicDec's cache (no draft)", **changes)
+
+
 def _pinned(spec, kwargs: dict, config: MagicDecConfig, draft_model: bool):
-    """The search of ``config``'s one candidate (its view, budget, γ ≥ 1 and draft weights) without a
-    speedup threshold: on the draft model's cache where ``draft_model`` and the search has one, else
-    self-speculation."""
+    """The search of ``config``'s one candidate without a threshold: on the draft model's cache where
+    ``draft_model`` and the search has one, else self-speculation."""
     view = config.view
     space = dataclasses.replace(kwargs["space"], drafts=(view,), budgets=(config.draft_budget,),
                                 gammas=(max(config.gamma, 1),), draft_weights=(config.draft_weights,))

@@ -233,7 +233,7 @@ def plan_one(spec, args, calibration: Any, batch: int, context: int):
     """The plan of one workload: generate's (hf_magicdec.plan, on args.device), or, with a what-if
     option, the search's (hf_magicdec.planner.search_plan)."""
     import hf_magicdec
-    from hf_magicdec.planner import get_hardware, search_plan
+    from hf_magicdec.planner import SearchSpace, Workload, get_hardware, search_plan
     from hf_magicdec.planner.search import DEFAULT_BUDGETS, DEFAULT_DRAFTS, DEFAULT_GAMMAS
     from hf_magicdec.views import get_view
 
@@ -247,9 +247,9 @@ def plan_one(spec, args, calibration: Any, batch: int, context: int):
                                 draft_weights=args.draft_weights)
     hardware = calibration.hardware(get_hardware(args.hardware or _device_preset(args.device), args.tp)) \
         if calibration is not None else get_hardware(args.hardware or _device_preset(args.device), args.tp)
-    return search_plan(spec, batch_size=batch, prompt_len=context, new_tokens=args.new_tokens, hardware=hardware,
-                       acceptance=args.acceptance, drafts=tuple(get_view(d) for d in args.drafts or DEFAULT_DRAFTS),
-                       budgets=args.budgets or DEFAULT_BUDGETS, gammas=args.gammas or DEFAULT_GAMMAS,
+    space = SearchSpace(drafts=tuple(get_view(d) for d in args.drafts or DEFAULT_DRAFTS),
+                        budgets=args.budgets or DEFAULT_BUDGETS, gammas=args.gammas or DEFAULT_GAMMAS)
+    return search_plan(spec, Workload(batch, context, args.new_tokens), hardware, space, acceptance=args.acceptance,
                        min_speedup=1.0 if args.min_speedup is None else args.min_speedup)
 
 

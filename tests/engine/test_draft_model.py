@@ -162,24 +162,24 @@ def _specs():
 
 
 def test_planner_weighs_the_draft_model_against_self_speculation():
-    from hf_magicdec.planner import search_plan
+    from hf_magicdec.planner import SearchSpace, Workload, search_plan
     from hf_magicdec.views import get_view
 
-    def plan(spec, **kwargs):  # the search, with the default views
-        return search_plan(spec, drafts=(get_view("streamingllm"), get_view("snapkv")),
-                           draft_model_drafts=(get_view("full"), get_view("streamingllm"), get_view("snapkv")),
-                           **kwargs)
+    def plan(spec, acceptance=None, **space):  # the search, with the default views
+        space = SearchSpace(drafts=(get_view("streamingllm"), get_view("snapkv")),
+                            draft_model_drafts=(get_view("full"), get_view("streamingllm"), get_view("snapkv")),
+                            **space)
+        return search_plan(spec, Workload(4, 8192, 256), "h100", space, acceptance=acceptance)
 
     target, small = _specs()
-    workload = dict(batch_size=4, prompt_len=8192, new_tokens=256, hardware="h100")
-    good_small = plan(target, **workload, draft_model=small,
+    good_small = plan(target, draft_model=small,
                       acceptance={"model:full": 0.95, "model:streamingllm": 0.9, "model:snapkv": 0.9,
                                   "streamingllm": 0.3, "snapkv": 0.3})
     assert good_small.draft_model == "llama-1b" and good_small.speculate
-    poor_small = plan(target, **workload, draft_model=small,
+    poor_small = plan(target, draft_model=small,
                       acceptance={"model:full": 0.05, "model:streamingllm": 0.05, "model:snapkv": 0.05})
     assert poor_small.draft_model is None  # self-speculation with the prior wins
-    only_small = plan(target, **workload, draft_model=small, self_speculation=False)
+    only_small = plan(target, draft_model=small, self_speculation=False)
     assert only_small.draft_model == "llama-1b"
     # A compressed draft-model cache is cheaper to read than its full cache at long context.
     full = [e for e in (only_small, *only_small.runner_ups) if e.draft == "full"]

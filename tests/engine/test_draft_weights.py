@@ -15,7 +15,7 @@ from conftest import ARCHS, make_model, ragged_prompts
 from hf_magicdec import MagicDecConfig
 from hf_magicdec.engine import draft_weights as dw
 from hf_magicdec.planner import ModelSpec, default_acceptance
-from hf_magicdec.planner import search_plan as plan
+from hf_magicdec.planner import SearchSpace, Workload, search_plan as plan
 from hf_magicdec.planner.roofline import draft_step
 from hf_magicdec.planner.hardware import get_hardware
 from hf_magicdec.views import get_view
@@ -207,15 +207,15 @@ def test_fp16_quantized_draft_halves_the_weight_bytes_and_keeps_the_logits():
 
 def test_planner_weighs_full_and_int8_weights():
     views = [get_view("snapkv")]
-    p = plan(LLAMA_8B, batch_size=8, prompt_len=4096, new_tokens=128, hardware="cpu", drafts=views,
-             draft_weights=("full", "int8"))
+    workload = Workload(8, 4096, 128)
+    p = plan(LLAMA_8B, workload, "cpu", SearchSpace(drafts=views, draft_weights=("full", "int8")))
     assert p.draft_weights == "int8"  # on a bandwidth-bound CPU, a quarter of the weight bytes wins
     assert MagicDecConfig.from_any(p).draft_weights == "int8"
-    only_full = plan(LLAMA_8B, batch_size=8, prompt_len=4096, new_tokens=128, hardware="cpu", drafts=views)
+    only_full = plan(LLAMA_8B, workload, "cpu", SearchSpace(drafts=views))
     assert only_full.draft_weights == "full" and p.predicted_speedup > only_full.predicted_speedup
     # If the measured acceptance of the quantized draft collapses, full weights win again.
-    poor = plan(LLAMA_8B, batch_size=8, prompt_len=4096, new_tokens=128, hardware="cpu", drafts=views,
-                draft_weights=("full", "int8"), acceptance={"snapkv@int8": 0.3, "snapkv": 0.85})
+    poor = plan(LLAMA_8B, workload, "cpu", SearchSpace(drafts=views, draft_weights=("full", "int8")),
+                acceptance={"snapkv@int8": 0.3, "snapkv": 0.85})
     assert poor.draft_weights == "full"
 
 

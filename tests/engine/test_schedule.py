@@ -15,7 +15,7 @@ import torch
 from conftest import make_model, ragged_prompts
 from hf_magicdec import MagicDecConfig, MagicDecWarning
 from hf_magicdec.engine.cache import MagicDecCache
-from hf_magicdec.planner import ModelSpec, get_hardware, search_plan
+from hf_magicdec.planner import ModelSpec, SearchSpace, Workload, get_hardware, search_plan
 from hf_magicdec.planner.gamma import REPROBE_AFTER, REPROBE_STEPS, GammaController
 from hf_magicdec.planner.schedule import SWITCH_MARGIN, StepModel, best_gamma
 from hf_magicdec.views import get_view
@@ -176,9 +176,9 @@ def test_planner_prices_the_schedule_over_a_long_generation():
     llama = json.loads((Path(__file__).parents[1] / "configs" / "llama-3.1-8b.json").read_text())
     spec, hw = ModelSpec.from_config(llama), get_hardware("h100")
     views = (get_view("streamingllm"), get_view("snapkv"))
-    workload = dict(batch_size=32, prompt_len=256, new_tokens=8192, hardware=hw, drafts=views)
-    fixed = search_plan(spec, **workload)
-    scheduled = search_plan(spec, **workload, schedule=True)
+    workload = Workload(32, 256, 8192)
+    fixed = search_plan(spec, workload, hw, SearchSpace(drafts=views))
+    scheduled = search_plan(spec, workload, hw, SearchSpace(drafts=views, schedule=True))
     assert scheduled.predicted_speedup >= 1.0 and scheduled.speculate
     same = [speedup for draft, budget, speedup in ((fixed.draft, fixed.draft_budget, fixed.predicted_speedup),
                                                   *((e.draft, e.draft_budget, e.speedup) for e in fixed.runner_ups))
@@ -336,17 +336,19 @@ def test_near_ties_go_to_the_candidate_with_more_to_gain(monkeypatch):
     # attended choosing after every verification (every=1): its choice costs enough that the prior
     # alone puts it a hair behind SnapKV.
     views = (get_view("streamingllm"), get_view("snapkv"), get_view("attended", every=1))
-    workload = dict(batch_size=8, prompt_len=256, new_tokens=512, hardware="cpu", drafts=views,
-                    draft_weights=("full", "int8", "fp16"), schedule=True)
-    chosen = search_plan(spec, **workload)
+    space = SearchSpace(drafts=views, draft_weights=("full", "int8", "fp16"), schedule=True)
+
+    def plan(prompt_len, new_tokens):
+        return search_plan(spec, Workload(8, prompt_len, new_tokens), "cpu", space)
+
+    chosen = plan(256, 512)
     assert chosen.draft == "attended"
     assert all(e.speedup <= chosen.predicted_speedup * (1 + 2 * search.NEAR_TIE) for e in chosen.runner_ups)
     monkeypatch.setattr(search, "NEAR_TIE", 0.0)
-    assert search_plan(spec, **workload).draft != "attended"  # by the prior alone: a coin toss near 1.0x
-    assert search_plan(spec, **{**workload, "prompt_len": 256, "new_tokens": 4096}).draft == "attended"  # a clear win
+    assert plan(256, 512).draft != "attended"  # by the prior alone: a coin toss near 1.0x
+    assert plan(256, 4096).draft == "attended"  # a clear win
     # Where the context is the prompt, attended's prior leads SnapKV's by the lead measured there (0.05 at
     # 8 x 4K -> 128), which outweighs its dearer choices; without that lead SnapKV's cheaper steps win.
-    long_prompt = {**workload, "prompt_len": 4096, "new_tokens": 128}
-    assert search_plan(spec, **long_prompt).draft == "attended"
+    assert plan(4096, 128).draft == "attended"
     monkeypatch.setattr(acceptance, "ATTENDED_PROMPT_LEAD", 0.0)
-    assert search_plan(spec, **long_prompt).draft == "snapkv"
+    assert plan(4096, 128).draft == "snapkv"

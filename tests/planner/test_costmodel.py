@@ -20,6 +20,8 @@ from hf_magicdec import MagicDecConfig
 from hf_magicdec.planner import (
     HardwareSpec,
     ModelSpec,
+    SearchSpace,
+    Workload,
     critical_length,
     default_acceptance,
     draft_step,
@@ -46,10 +48,13 @@ H100 = get_hardware("h100")
 A100 = get_hardware("a100")
 
 
-def plan(model, **kwargs):
-    """The planner over the default views (it takes view objects, never names)."""
-    kwargs.setdefault("drafts", tuple(get_view(name) for name in DEFAULT_DRAFTS))
-    return costmodel_plan(model, **kwargs)
+DEFAULT_VIEWS = tuple(get_view(name) for name in DEFAULT_DRAFTS)
+
+
+def plan(model, workload, hardware="h100", space=None, **options):
+    """The planner over the default views (it takes view objects, never names) unless ``space`` says."""
+    space = SearchSpace(drafts=DEFAULT_VIEWS) if space is None else space
+    return costmodel_plan(model, workload, hardware, space, **options)
 
 
 def llama_spec() -> ModelSpec:
@@ -340,7 +345,7 @@ def test_verify_costs_about_one_step_when_kv_dominates():
 
 
 def test_no_speculation_at_short_context_and_large_batch():
-    p = plan(LLAMA, batch_size=256, prompt_len=512, new_tokens=128, hardware="h100")
+    p = plan(LLAMA, Workload(256, 512, 128), "h100")
     assert not p.speculate
     assert p.predicted_speedup < 1.0
     assert "plain" in p.summary()
@@ -348,13 +353,13 @@ def test_no_speculation_at_short_context_and_large_batch():
 
 def test_paper_anchor_prefill_1024_batch_32_a100_does_not_pay():
     # Measured 0.95× in MagicDec §4; the pure roofline sits at break-even, not a clear gain.
-    p = plan(LLAMA, batch_size=32, prompt_len=1024, new_tokens=96, hardware="a100")
+    p = plan(LLAMA, Workload(32, 1024, 96), "a100")
     assert p.predicted_speedup < 1.1
 
 
 def test_paper_anchor_long_context_large_batch_pays_2_to_3x():
     # The pure roofline predicts 2–3× for 8B models at long context and large batch (§3).
-    p = plan(LLAMA, batch_size=64, prompt_len=32768, new_tokens=128, hardware="h100", tp=8)
+    p = plan(LLAMA, Workload(64, 32768, 128), "h100", tp=8)
     assert p.speculate
     assert 2.0 <= p.predicted_speedup <= 3.5
 
@@ -378,7 +383,7 @@ def test_critical_length_finite_and_decreasing_with_batch():
 
 
 def test_plan_fields_and_config():
-    p = plan(LLAMA, batch_size=32, prompt_len=16384, new_tokens=256, hardware="h100")
+    p = plan(LLAMA, Workload(32, 16384, 256), "h100")
     assert p.speculate and p.predicted_speedup > 1
     assert p.context == 16384 + 128
     assert p.t_verify >= p.t_target > p.t_draft > 0
@@ -396,19 +401,19 @@ def test_plan_fields_and_config():
 
 
 def test_plan_skips_budgets_not_below_prompt():
-    p = plan(LLAMA, batch_size=64, prompt_len=600, new_tokens=64, hardware="h100", budgets=(128, 512, 1024))
+    p = plan(LLAMA, Workload(64, 600, 64), "h100", SearchSpace(drafts=DEFAULT_VIEWS, budgets=(128, 512, 1024)))
     assert all(e.draft_budget < 600 for e in (*p.runner_ups,)) and p.draft_budget < 600
-    none = plan(LLAMA, batch_size=8, prompt_len=100, new_tokens=64, hardware="h100")
+    none = plan(LLAMA, Workload(8, 100, 64), "h100")
     assert not none.speculate and none.draft is None and none.predicted_speedup == 1.0
     with pytest.raises(ValueError, match="no candidate"):
         MagicDecConfig.from_any(none)
 
 
 def test_plan_acceptance_and_threshold():
-    low = plan(LLAMA, batch_size=64, prompt_len=32768, new_tokens=128, hardware="h100", acceptance=0.3)
-    high = plan(LLAMA, batch_size=64, prompt_len=32768, new_tokens=128, hardware="h100", acceptance=0.95)
+    low = plan(LLAMA, Workload(64, 32768, 128), "h100", acceptance=0.3)
+    high = plan(LLAMA, Workload(64, 32768, 128), "h100", acceptance=0.95)
     assert high.predicted_speedup > low.predicted_speedup and high.gamma >= low.gamma
-    strict = plan(LLAMA, batch_size=64, prompt_len=32768, new_tokens=128, hardware="h100", min_speedup=100.0)
+    strict = plan(LLAMA, Workload(64, 32768, 128), "h100", min_speedup=100.0)
     assert not strict.speculate and strict.draft is not None
 
 
@@ -417,43 +422,43 @@ def test_plan_accepts_model_like_objects_and_dtype():
         config = LLAMA
         dtype = "torch.float32"
 
-    p = plan(FakeModel(), batch_size=8, prompt_len=8192, new_tokens=64, hardware="a100")
+    p = plan(FakeModel(), Workload(8, 8192, 64), "a100")
     # fp32 on an A100 runs without tensor cores: every step is slower than in bf16.
-    q = plan(LLAMA, batch_size=8, prompt_len=8192, new_tokens=64, hardware="a100")
+    q = plan(LLAMA, Workload(8, 8192, 64), "a100")
     assert p.t_target > q.t_target
 
 
 @pytest.mark.parametrize(
-    "kwargs, match",
-    [(dict(batch_size=0), "batch_size"), (dict(prompt_len=-3), "prompt_len"), (dict(gammas=()), "gammas"),
-     (dict(budgets=(0,)), "budget"), (dict(hardware="tpu"), "tpu")],
+    "call, match",
+    [(lambda: plan(LLAMA, Workload(0, 4096, 64)), "batch_size"),
+     (lambda: plan(LLAMA, Workload(8, -3, 64)), "prompt_len"),
+     (lambda: plan(LLAMA, Workload(8, 4096, 64), "h100", SearchSpace(drafts=DEFAULT_VIEWS, gammas=())), "gammas"),
+     (lambda: plan(LLAMA, Workload(8, 4096, 64), "h100", SearchSpace(drafts=DEFAULT_VIEWS, budgets=(0,))), "budget"),
+     (lambda: plan(LLAMA, Workload(8, 4096, 64), "tpu"), "tpu")],
 )
-def test_plan_rejects_bad_arguments(kwargs, match):
-    args = dict(batch_size=8, prompt_len=4096, new_tokens=64, hardware="h100")
-    args.update(kwargs)
+def test_plan_rejects_bad_arguments(call, match):
     with pytest.raises(ValueError, match=match):
-        plan(LLAMA, **args)
+        call()
 
 
 def test_plan_takes_view_objects():
     with pytest.raises(TypeError, match="view objects"):
-        costmodel_plan(LLAMA, batch_size=8, prompt_len=4096, new_tokens=64, drafts=("snapkv",))
+        costmodel_plan(LLAMA, Workload(8, 4096, 64), "h100", SearchSpace(drafts=("snapkv",)))
     with pytest.raises(ValueError, match="drafts"):
-        costmodel_plan(LLAMA, batch_size=8, prompt_len=4096, new_tokens=64)
+        costmodel_plan(LLAMA, Workload(8, 4096, 64))
 
 
 def test_plan_uses_the_views_geometry():
     """A candidate exists exactly where its view fits: the planner asks the view, with its options."""
     wide = get_view("streamingllm", sink_tokens=200)  # fits no budget <= 200
-    p = costmodel_plan(LLAMA, batch_size=64, prompt_len=32768, new_tokens=128, hardware="h100",
-                       drafts=(wide,), budgets=(128, 256), gammas=(2,))
+    p = costmodel_plan(LLAMA, Workload(64, 32768, 128), "h100", SearchSpace(drafts=(wide,), budgets=(128, 256),
+                                                                         gammas=(2,)))
     assert p.draft_budget == 256 and {e.draft_budget for e in p.runner_ups} <= {256}
     assert p.draft_options == {"sink_tokens": 200}
     assert MagicDecConfig.from_any(p) == hf_magicdec.MagicDecConfig.from_any(draft=wide, draft_budget=256, gamma=p.gamma,
                                                                      draft_weights="full")
     assert json.dumps(p.to_dict())
-    none = costmodel_plan(LLAMA, batch_size=64, prompt_len=32768, new_tokens=128, hardware="h100",
-                          drafts=(wide,), budgets=(128, 200))
+    none = costmodel_plan(LLAMA, Workload(64, 32768, 128), "h100", SearchSpace(drafts=(wide,), budgets=(128, 200)))
     assert none.draft is None
 
 
@@ -551,7 +556,7 @@ def test_calibration_round_trip_and_plan(tmp_path):
     assert hw.name == "cpu-test (calibrated)" and hw.overhead == pytest.approx(4e-3, rel=1e-3)
     # A CPU runs the twin (attended's mass unfused), a GPU the Triton kernel, whatever the base preset.
     assert not hw.fused_mass and dataclasses.replace(back, device="cuda-h200").hardware("cpu").fused_mass
-    p = plan(spec, batch_size=8, prompt_len=4096, new_tokens=128, hardware="cpu", calibration=back)
+    p = plan(spec, Workload(8, 4096, 128), "cpu", calibration=back)
     assert p.hardware == "cpu-test (calibrated)"
     assert p.t_target == pytest.approx(target_step(spec, truth, 8, 4160).seconds, rel=1e-3)
 
@@ -648,8 +653,8 @@ def test_eager_host_time_per_layer_unless_captured():
     ratio = {hw.captured: draft_step(spec, hw, 32, 32768, 512).seconds / target_step(spec, hw, 32, 32768).seconds
              for hw in (captured, eager)}
     assert ratio[False] > ratio[True] + 0.1
-    kwargs = dict(batch_size=32, prompt_len=32768, new_tokens=256)
-    assert plan(LLAMA, hardware=eager, **kwargs).predicted_speedup < plan(LLAMA, hardware=captured, **kwargs).predicted_speedup
+    workload = Workload(32, 32768, 256)
+    assert plan(LLAMA, workload, eager).predicted_speedup < plan(LLAMA, workload, captured).predicted_speedup
     assert get_hardware("cpu").layer_overhead == 0  # CPUs: host time is fitted into `overhead` by calibration
     with pytest.raises(ValueError, match="layer_overhead"):
         captured.replace(layer_overhead=-1.0)

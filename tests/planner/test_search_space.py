@@ -1,5 +1,5 @@
-"""``search_plan(model, Workload, hardware, SearchSpace)``: the objects and their fields as keywords
-plan alike, and a call cannot give both."""
+"""``search_plan(model, Workload, hardware, SearchSpace)``: the objects are checked, and the search
+takes only them (not their fields as keywords)."""
 
 from __future__ import annotations
 
@@ -16,11 +16,9 @@ VIEWS = (get_view("streamingllm"), get_view("snapkv"))
 
 
 @pytest.mark.parametrize("schedule", [False, True])
-def test_objects_and_keywords_plan_alike(schedule):
-    by_objects = search_plan(SPEC, Workload(8, 8192, 256), "h100", SearchSpace(drafts=VIEWS, schedule=schedule))
-    by_keywords = search_plan(SPEC, batch_size=8, prompt_len=8192, new_tokens=256, hardware="h100", drafts=VIEWS,
-                              schedule=schedule)
-    assert by_objects == by_keywords and by_objects.draft is not None
+def test_objects_plan(schedule):
+    p = search_plan(SPEC, Workload(8, 8192, 256), "h100", SearchSpace(drafts=VIEWS, schedule=schedule))
+    assert p.draft is not None and p.batch_size == 8 and p.prompt_len == 8192 and p.new_tokens == 256
 
 
 def test_the_space_is_checked_and_held_as_tuples():
@@ -37,10 +35,10 @@ def test_the_space_is_checked_and_held_as_tuples():
         Workload(1, 128, -1)
 
 
-def test_a_call_gives_the_objects_or_their_fields_not_both():
-    with pytest.raises(TypeError, match="workload= or its fields"):
-        search_plan(SPEC, Workload(1, 4096, 16), space=SearchSpace(drafts=VIEWS), batch_size=2)
-    with pytest.raises(TypeError, match="space= or its fields"):
-        search_plan(SPEC, Workload(1, 4096, 16), space=SearchSpace(drafts=VIEWS), gammas=(1,))
+def test_a_call_takes_the_objects_not_their_fields():
     with pytest.raises(TypeError, match="unexpected keyword"):
-        search_plan(SPEC, Workload(1, 4096, 16), space=SearchSpace(drafts=VIEWS), drafs=VIEWS)
+        search_plan(SPEC, Workload(1, 4096, 16), space=SearchSpace(drafts=VIEWS), batch_size=2)
+    with pytest.raises(TypeError, match="unexpected keyword"):
+        search_plan(SPEC, Workload(1, 4096, 16), space=SearchSpace(drafts=VIEWS), gammas=(1,))
+    with pytest.raises(ValueError, match="drafts: pass the draft views"):
+        search_plan(SPEC, Workload(1, 4096, 16))

@@ -242,7 +242,7 @@ def test_refresh_config_validation():
 def test_cost_model_charges_dynamic_selection():
     """Per draft step, dynamic reads 2/P of the context's keys (page min / max) and gathers the
     budget's K and V (read + write); static views pay nothing extra. H100 is memory-bound here."""
-    from hf_magicdec.planner import ModelSpec, estimate, get_hardware
+    from hf_magicdec.planner import ModelSpec, SearchSpace, Workload, estimate, get_hardware
     from hf_magicdec.planner.search import search_plan as plan
     from hf_magicdec.planner.selection import selection_seconds
 
@@ -265,10 +265,8 @@ def test_cost_model_charges_dynamic_selection():
     dyn = estimate(spec, hw, batch=batch, context=context, draft=dynamic, budget=budget, gamma=3, acceptance=0.8)
     assert dyn.draft == "dynamic" and dyn.t_draft == pytest.approx(snap.t_draft + want) and dyn.speedup < snap.speedup
     # The planner asks the views: with equal α it prefers the cheaper static view.
-    p = plan(spec, batch_size=batch, prompt_len=context, new_tokens=128, hardware="h100", acceptance=0.8,
-             drafts=(snapkv, dynamic))
+    p = plan(spec, Workload(batch, context, 128), "h100", SearchSpace(drafts=(snapkv, dynamic)), acceptance=0.8)
     assert p.draft == "snapkv" and any(e.draft == "dynamic" for e in p.runner_ups)
-    only = plan(spec, batch_size=batch, prompt_len=context, new_tokens=128, hardware="h100",
-                drafts=(get_view("dynamic", page_size=32),))
+    only = plan(spec, Workload(batch, context, 128), "h100", SearchSpace(drafts=(get_view("dynamic", page_size=32),)))
     assert only.draft == "dynamic" and MagicDecConfig.from_any(only) == MagicDecConfig.from_any(
         draft="dynamic", draft_budget=only.draft_budget, gamma=only.gamma, page_size=32, draft_weights="full")

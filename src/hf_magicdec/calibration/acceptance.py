@@ -12,40 +12,11 @@ from ..views import DraftView
 __all__ = ["probe_acceptance"]
 
 
-def probe_acceptance(
-    model: Any,
-    *,
-    draft: str | DraftView = "streamingllm",
-    budget: int = 256,
-    gamma: int = 4,
-    batch: int = 1,
-    context: int = 1024,
-    new_tokens: int = 64,
-    input_ids: Any = None,
-) -> float:
-    """Measure α with one short speculative generation.
-
-    Parameters
-    ----------
-    model : transformers.PreTrainedModel
-    draft, budget, gamma :
-        The candidate to probe (``budget < context``); ``draft`` a view name or instance.
-    batch, context, new_tokens :
-        Prompt batch and length, tokens generated per row.
-    input_ids : torch.LongTensor, optional
-        ``[batch, context]`` prompts, e.g. real long text (``hf_magicdec_bench.data.prompt_batch``);
-        by default random token ids, whose α says little about text.
-
-    Returns
-    -------
-    float
-        ``output.speculation.acceptance_rate``.
-
-    Raises
-    ------
-    ValueError
-        If ``budget >= context`` (the view would hold the whole prompt).
-    """
+def probe_acceptance(model: Any, *, draft: str | DraftView = "streamingllm", budget: int = 256, gamma: int = 4,
+                     batch: int = 1, context: int = 1024, new_tokens: int = 64, input_ids: Any = None) -> float:
+    """``acceptance_rate`` of one greedy generation of ``new_tokens`` per row with view ``draft`` (a name
+    or instance), ``budget`` < ``context`` and ``gamma``, on ``input_ids`` ``[batch, context]`` (default:
+    random token ids, whose α says little about text)."""
     if budget >= context:
         raise ValueError(f"budget must be < context to probe a compressed view, got {budget=} and {context=}.")
     device = next(model.parameters()).device

@@ -1,21 +1,9 @@
 """The torch-free fit of the roofline's effective rates to measured step times.
 
-Pure rooflines use datasheet peaks and overshoot (MagicDec §3). :func:`~.measure.calibrate` times a
-few operating points ``(B, S, q)`` with the engine's own forwards (:func:`~.steps.measure_steps`),
-and :func:`fit` fits three non-negative numbers to them by least squares on relative error:
-
-* ``overhead``  seconds per forward (dispatch, kernel launches, Python),
-* ``1/bandwidth``  seconds per byte of weights and KV,
-* ``1/flops``  seconds per FLOP,
-
-keeping the roofline's op groups (linear, attention, LM head; see
-:mod:`~hf_magicdec.planner.roofline`). Two forms are fitted and the better one kept: the
-roofline ``max(FLOPs / flops, bytes / bandwidth)`` per group (each group charged the side of the
-fitted roofline it sits on; assignment and fit alternate until the assignment is stable), and
-``FLOPs / flops + bytes / bandwidth`` (no overlap of compute and memory traffic, which describes
-small matmuls on CPUs better). Predictions at unmeasured points come from the same model with the
-fitted numbers (:meth:`~.store.Calibration.hardware`). The records and their JSON cache live in
-:mod:`.store`.
+Datasheet peaks overshoot (MagicDec §3), so :func:`fit` fits ``overhead`` (seconds per forward),
+``1/bandwidth`` and ``1/flops`` to timed forwards by non-negative least squares on relative error,
+over the roofline's op groups, in two forms: ``max(FLOPs / flops, bytes / bandwidth)`` per group
+(alternating side assignment and fit) and ``FLOPs / flops + bytes / bandwidth`` (small CPU matmuls).
 """
 
 from __future__ import annotations
@@ -32,9 +20,6 @@ from ..planner.roofline import group_work
 from .store import Fit, Measurement
 
 __all__ = ["fit", "fit_quantized", "nnls"]
-
-
-# ---------------------------------------------------------------------------------------- fit
 
 
 def _solve(a: list[list[float]], b: list[float]) -> list[float] | None:
@@ -55,13 +40,8 @@ def _solve(a: list[list[float]], b: list[float]) -> list[float] | None:
 
 
 def nnls(rows: Sequence[Sequence[float]], targets: Sequence[float]) -> list[float]:
-    """Non-negative least squares ``min ||A x − t||² s.t. x ≥ 0`` for a few unknowns.
-
-    Exact: tries every subset of free unknowns (the others pinned at 0), solves its normal
-    equations and keeps the best non-negative solution. Fine for the 3–4 unknowns of the fit.
-    Columns are scaled to unit norm first so that seconds-per-byte and seconds-per-forward
-    (20 orders of magnitude apart) stay well conditioned.
-    """
+    """``argmin ||A x − t||² s.t. x ≥ 0`` for a few unknowns, exactly: every subset of free unknowns is
+    solved (normal equations, columns scaled to unit norm) and the best non-negative solution kept."""
     n = len(rows[0])
     scale = [math.sqrt(sum(r[j] ** 2 for r in rows)) or 1.0 for j in range(n)]
     a = [[r[j] / scale[j] for j in range(n)] for r in rows]
@@ -110,9 +90,8 @@ def _fit_max(work, measurements, bw, fl, oh, max_iterations):
 
 
 def _fit_rates(work, measurements, assignment, bw: float, fl: float) -> tuple[float, float, float]:
-    """``(overhead, bandwidth, flops)`` fitted by NNLS on relative error, each group's bytes and FLOPs
-    counted on the side ``assignment`` puts it (True: compute, False: memory, None: both); a rate the
-    data does not constrain (a zero coefficient) keeps the given one."""
+    """``(overhead, bandwidth, flops)`` by NNLS on relative error, each group counted on the side
+    ``assignment`` puts it (True: compute, False: memory, None: both); an unconstrained rate keeps its value."""
     rows = []
     for w, m, sides in zip(work, measurements, assignment):
         nbytes = sum(n * b for (f, b, n), compute in zip(w.values(), sides) if compute is not True)
@@ -144,40 +123,13 @@ def _fit_forms(model, work, measurements, base, form, max_iterations) -> Fit:
 
 def fit(model: ModelSpec, measurements: Sequence[Measurement], base: HardwareSpec | str = "cpu",
         form: str = "auto", trim: bool = True, max_iterations: int = 20) -> Fit:
-    """Fit effective bandwidth, FLOP/s and per-forward overhead to measured forwards.
+    """The :class:`~.store.Fit` of effective bandwidth, FLOP/s and overhead to at least three
+    ``measurements`` of ``model``.
 
-    Minimises the relative squared error with non-negative least squares over
-    ``(overhead, 1/bandwidth, 1/flops)``.
-
-    Parameters
-    ----------
-    model : ModelSpec
-        Shapes and dtype of the measured model.
-    measurements : sequence of Measurement
-        At least three forwards of different shapes.
-    base : HardwareSpec or str
-        Starting point (its rates decide the first compute/memory assignment of the roofline
-        form) and fallback for a rate the data cannot identify (e.g. no group was ever
-        compute-bound).
-    form : str
-        ``"max"``: the roofline, each group on the side of the fitted roofline it falls on
-        (alternating assignment and fit until the assignment is stable). ``"sum"``: compute and
-        memory do not overlap (small matmuls on CPUs). ``"auto"``: both, keep the smaller error.
-    trim : bool
-        Refit without measurements whose relative error exceeds ``max(30 %, 4 × the median
-        error)`` (at most a quarter of them, twice at most): a forward timed while another
-        process held the machine should not bend the fit.
-    max_iterations : int
-        Bound on assignment/fit alternations of the ``"max"`` form.
-
-    Returns
-    -------
-    Fit
-
-    Raises
-    ------
-    ValueError
-        With fewer than three measurements or an unknown ``form``.
+    ``base`` (a preset or spec) gives the first compute/memory assignment and the rates the data
+    cannot identify. ``form``: ``"max"`` (roofline, at most ``max_iterations`` assignment/fit rounds),
+    ``"sum"`` (no overlap) or ``"auto"`` (the smaller error). ``trim``: refit, twice at most, without
+    forwards whose error exceeds ``max(30 %, 4 × the median)`` (at most a quarter of them).
     """
     if len(measurements) < 3:
         raise ValueError(f"fit needs at least 3 measurements, got {len(measurements)}.")
@@ -186,8 +138,7 @@ def fit(model: ModelSpec, measurements: Sequence[Measurement], base: HardwareSpe
     base = get_hardware(base)
     work = [group_work(model, 1, batch=m.batch, query_tokens=m.query_tokens, kv_tokens=m.kv_tokens,
                        logit_tokens=m.logit_tokens) for m in measurements]
-    keep = list(range(len(measurements)))
-    result = _fit_forms(model, [work[i] for i in keep], [measurements[i] for i in keep], base, form, max_iterations)
+    result = _fit_forms(model, work, list(measurements), base, form, max_iterations)
     for _ in range(2 if trim else 0):
         hw = result.hardware(base, model.dtype)
         errors = [abs(m.predict(model, hw) - m.seconds) / m.seconds for m in measurements]
@@ -196,26 +147,14 @@ def fit(model: ModelSpec, measurements: Sequence[Measurement], base: HardwareSpe
         if not bad or len(measurements) - len(bad) < max(3, math.ceil(0.75 * len(measurements))):
             break
         keep = [i for i in range(len(measurements)) if i not in bad]
-        refit = _fit_forms(model, [work[i] for i in keep], [measurements[i] for i in keep], base, form,
-                           max_iterations)
+        refit = _fit_forms(model, [work[i] for i in keep], [measurements[i] for i in keep], base, form, max_iterations)
         result = dataclasses.replace(refit, outliers=tuple(sorted(bad)))
     return result
 
 
 def fit_quantized(model: ModelSpec, measurements: Sequence[Measurement], hardware: HardwareSpec) -> dict[str, float]:
-    """Effective FLOP/s of quantized linear layers per format, the other rates fixed.
-
-    ``hardware`` carries the rates fitted to the full-precision forwards; for each weight format
-    among ``measurements`` (``Measurement.weights``), one rate is chosen on a log grid from
-    0.1 GFLOP/s to 1 PFLOP/s (refined around the best point) to minimise the relative RMS error of
-    those forwards: the kernel's measured efficiency, where the roofline alone knows only its
-    bytes.
-
-    Returns
-    -------
-    dict
-        ``{format: FLOP/s}`` (empty when no quantized forward was measured).
-    """
+    """``{format: FLOP/s}`` of quantized linear layers, one rate per format among ``measurements`` on a
+    log grid (0.1 GFLOP/s to 1 PFLOP/s, refined) with ``hardware``'s other rates fixed (empty if none)."""
     out: dict[str, float] = {}
     for fmt in sorted({m.weights for m in measurements} - {"full"}):
         timed = [m for m in measurements if m.weights == fmt]

@@ -1,5 +1,5 @@
-"""Calibrate the planner on the real model: measure step times at a few operating points and fit
-the roofline to them (cached as JSON beside other calibrations)."""
+"""Calibrate the planner on the real model: time its steps at a few operating points, fit the roofline
+to them and cache the result as JSON."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import torch
 import transformers
 
 from ..engine.draft_weights import feasible_formats
-from ..planner._checks import check_int
+from ..checks import check_int
 from ..planner.hardware import HardwareSpec
 from ..planner.modelspec import ModelSpec
 from .fit import fit, fit_quantized
@@ -23,20 +23,15 @@ from .store import Calibration, Measurement, calibration_path, device_key
 
 __all__ = ["calibrate", "DEFAULT_POINTS"]
 
-#: ``(batch, context)`` points of a default calibration. Small contexts and batches keep a run
-#: short on a CPU; together they separate the per-forward overhead (batch 1, short context), the
-#: weight-read bandwidth (1-token steps), the KV-read bandwidth (batch 8 × 2048) and the FLOP
-#: rate (5-token verification of 8 rows).
+#: ``(batch, context)`` points of a default calibration: short on a CPU, and together they separate the
+#: overhead (batch 1), weight and KV bandwidth (1-token steps, 8 × 2048) and the FLOP rate (8-row verifications).
 DEFAULT_POINTS: tuple[tuple[int, int], ...] = ((1, 256), (1, 2048), (4, 1024), (8, 256), (8, 2048))
 DEFAULT_GAMMAS = (1, 4)
 DEFAULT_BUDGETS = (64, 256)
 
 
 def _cpu_busy(interval: float = 0.25) -> float:
-    """Fraction of all CPUs busy over ``interval`` seconds while we wait (other processes' load).
-
-    Read from ``/proc/stat``; elsewhere the 1-minute load average per CPU stands in (it lags).
-    """
+    """Fraction of all CPUs busy over ``interval`` seconds (``/proc/stat``; else the load average per CPU)."""
 
     def sample() -> tuple[int, int]:
         with open("/proc/stat", encoding="utf-8") as fh:
@@ -60,81 +55,29 @@ def _versions() -> dict[str, str]:
             "python": platform.python_version(), "threads": str(torch.get_num_threads())}
 
 
-def calibrate(
-    model: Any,
-    *,
-    name: str | None = None,
-    points: Iterable[tuple[int, int]] = DEFAULT_POINTS,
-    gammas: Iterable[int] = DEFAULT_GAMMAS,
-    budgets: Iterable[int] = DEFAULT_BUDGETS,
-    repeats: int = 5,
-    passes: int = 2,
-    statistic: str = "min",
-    base: HardwareSpec | str = "cpu",
-    form: str = "auto",
-    cache: bool = True,
-    force: bool = False,
-    cache_dir: str | os.PathLike | None = None,
-    progress: Any = None,
-    draft_weights: Iterable[str] | None = None,
-) -> Calibration:
-    """Measure the model's step times on its device and fit the roofline to them.
+def calibrate(model: Any, *, name: str | None = None, points: Iterable[tuple[int, int]] = DEFAULT_POINTS,
+              gammas: Iterable[int] = DEFAULT_GAMMAS, budgets: Iterable[int] = DEFAULT_BUDGETS, repeats: int = 5,
+              passes: int = 2, statistic: str = "min", base: HardwareSpec | str = "cpu", form: str = "auto",
+              cache: bool = True, force: bool = False, cache_dir: str | os.PathLike | None = None,
+              progress: Any = None, draft_weights: Iterable[str] | None = None) -> Calibration:
+    """Time ``model``'s steps on its device and in its dtype, fit the roofline, return the :class:`Calibration`.
 
-    Parameters
-    ----------
-    model : transformers.PreTrainedModel
-        On its device, in the dtype to calibrate.
-    name : str, optional
-        Name for the cache file (default ``model.config._name_or_path``).
-    points : iterable of (batch, context)
-        Operating points; each costs one cache fill and ``(1 + len(gammas) + len(budgets)) ·
-        (1 + repeats)`` forwards.
-    gammas, budgets :
-        Verification sizes and draft budgets timed at every point (budgets ≥ context are
-        skipped there).
-    repeats : int
-        Timed runs per forward.
-    passes : int
-        Times the whole list of points is measured; each forward keeps its best pass. A burst of
-        other work then has to hit the same forward in every pass to bend the fit.
-    statistic : str
-        ``"min"`` (default: robust to other processes) or ``"median"`` over the repeats.
-    base : HardwareSpec or str
-        Preset to start the fit from (``"cpu"`` for CPUs, e.g. ``"h100"`` on an H100).
-    form : str
-        ``"auto"``, ``"max"`` (roofline) or ``"sum"`` (no compute/memory overlap), see :func:`.fit.fit`.
-    cache : bool
-        Read and write the JSON cache.
-    force : bool
-        Measure again even if a cached calibration exists.
-    cache_dir : path-like, optional
-        Root of the cache (see :func:`~.store.cache_root`).
-    progress : callable, optional
-        Called with one line of text per measured point.
-    draft_weights : iterable of str, optional
-        Quantized draft formats whose draft steps are timed too, to fit their kernels' effective
-        rate (``Calibration.quantized_flops``, used when the planner weighs ``draft_weights``).
-        Default: every format the device has a kernel for and the model can use.
-
-    Returns
-    -------
-    Calibration
-
-    Examples
-    --------
-    >>> cal = calibrate(model, name="smollm2-135m")          # doctest: +SKIP
-    >>> plan(model.config, ..., hardware="cpu", calibration=cal)  # doctest: +SKIP
+    Each of the ``points`` (batch, context) costs a cache fill and ``(1 + len(gammas) + len(budgets)) ·
+    (1 + repeats)`` forwards (budgets >= the context are skipped there), the whole list measured
+    ``passes`` times, each forward keeping its best pass; ``statistic``: ``"min"`` or ``"median"`` of
+    the repeats. ``base``: the preset the fit starts from; ``form``: see :func:`.fit.fit`.
+    ``draft_weights``: quantized draft formats timed too (default: those the device and model run).
+    ``name`` names the cache file (default ``_name_or_path``); ``cache`` reads and writes it under
+    ``cache_dir``, ``force`` measures again. ``progress`` gets one line per point.
     """
     param = next(model.parameters())
     spec = ModelSpec.from_config(model.config, dtype=param.dtype)
     name = name or getattr(model.config, "_name_or_path", None) or spec.name
     device = device_key(param.device)
     path = calibration_path(name, spec, device, spec.dtype, cache_dir)
-    if cache and not force and path.is_file():
-        try:
-            return Calibration.load(path)
-        except (OSError, ValueError, KeyError, TypeError):
-            pass  # stale: measure again
+    cached = _cached(path) if cache and not force else None
+    if cached is not None:
+        return cached
     gammas, budgets, points = tuple(gammas), tuple(budgets), tuple(points)
     check_int("passes", passes)
     if not points:
@@ -157,10 +100,19 @@ def calibrate(
     return result
 
 
+def _cached(path) -> Calibration | None:
+    """The calibration at ``path``, or None where there is none or it is stale (then measured again)."""
+    if not path.is_file():
+        return None
+    try:
+        return Calibration.load(path)
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
 def _fitted(name: str, spec: ModelSpec, device: str, measurements: list[Measurement], base, form: str, t0: float,
             busy_before: float) -> Calibration:
-    """The calibration of ``measurements``: the full-precision forwards fitted, then the quantized
-    drafts' rates with the others fixed."""
+    """The full-precision forwards fitted, then the quantized drafts' rates with the others fixed."""
     full = [m for m in measurements if m.weights == "full"]
     fitted = fit(spec, full, base, form=form)
     quantized = fit_quantized(spec, measurements, fitted.hardware(base, spec.dtype))
@@ -176,8 +128,7 @@ def _fitted(name: str, spec: ModelSpec, device: str, measurements: list[Measurem
 
 def _measure_point(model, batch: int, context: int, gammas, budgets, repeats: int, statistic: str, formats,
                    best: dict, progress) -> None:
-    """Time one operating point (every quantized format's draft too) and keep, per forward, the
-    fastest measurement of all passes in ``best``."""
+    """Time one operating point (each quantized draft too); keep each forward's fastest pass in ``best``."""
     usable = tuple(k for k in budgets if k < context) or (min(budgets),)
     timed = [measure_steps(model, batch, context, gammas=gammas, budgets=usable, repeats=repeats,
                            statistic=statistic, draft_weights=formats[0] if formats else "full")]

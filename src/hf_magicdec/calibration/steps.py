@@ -1,10 +1,5 @@
-"""Time the engine's own target, verify and draft forwards on one prefilled cache.
-
-The planner (:mod:`hf_magicdec.planner`) is torch-free and never imports the engine; it fits the
-numbers measured here (:func:`hf_magicdec.calibration.fit.fit`). Each forward is the engine's
-own (:mod:`hf_magicdec.engine.steps`) on a :class:`~hf_magicdec.engine.cache.MagicDecCache`,
-timed round-robin so that a burst of other work spreads over all of them.
-"""
+"""Time the engine's own target, verify and draft forwards (:mod:`hf_magicdec.engine.steps`) on one
+prefilled :class:`~hf_magicdec.engine.cache.MagicDecCache`, round-robin, for the fit of :mod:`.fit`."""
 
 from __future__ import annotations
 
@@ -21,7 +16,7 @@ from ..engine.cache import CacheOptions, MagicDecCache
 from ..engine.draft_weights import check_draft_weights, quantized_draft
 from ..engine.drafters import new_cache, quantized_draft_call
 from ..engine.steps import ModelCall, draft_step, prefill, verify_step
-from ..planner._checks import check_int
+from ..checks import check_int
 from ..planner.modelspec import ModelSpec
 from ..views import DraftView
 from .store import StepTimes
@@ -33,13 +28,9 @@ _STATISTICS = {"median": statistics.median, "min": min}
 
 
 def _time_rounds(jobs: dict, repeats: int, sync, statistic: str) -> dict:
-    """Time every job ``repeats`` times, round-robin, after one warm-up each.
-
-    ``jobs`` maps a key to ``(before, fn, after)``: only ``fn`` is timed; ``before`` and ``after``
-    (or None) run untimed (e.g. selecting a draft view, rolling back). Round-robin spreads any
-    burst of interference from other processes over all jobs instead of spoiling every repeat of
-    one of them.
-    """
+    """``{key: statistic of the seconds of fn}`` for ``jobs`` ``{key: (before, fn, after)}``, timed
+    ``repeats`` times round-robin (a burst of other work spreads over all) after one warm-up; ``before``
+    and ``after`` (or None) run untimed."""
     times = {key: [] for key in jobs}
     for rnd in range(repeats + 1):
         for key, (before, fn, after) in jobs.items():
@@ -58,10 +49,8 @@ def _time_rounds(jobs: dict, repeats: int, sync, statistic: str) -> dict:
 
 def _timing_cache(model, batch: int, context: int, capacity: int, observation_window: int, fixed_shapes: bool,
                   input_ids=None) -> MagicDecCache:
-    """A cache holding ``context`` prefilled tokens per row: ``input_ids`` prefilled through the
-    engine, or random KV (step timings do not depend on KV values, and a real prefill of 8 × 2048
-    tokens costs tens of seconds on a CPU, far more than the steps we want to time). A timing cache
-    carries no generation length (no sliding-window check)."""
+    """A cache of ``context`` tokens per row: ``input_ids`` prefilled through the engine, or random KV
+    (timings do not depend on KV values, and a real prefill costs far more than the steps)."""
     param = next(model.parameters())
     on_cuda = param.device.type == "cuda"
     options = CacheOptions(observation_window=observation_window, fixed_shapes=fixed_shapes,
@@ -76,72 +65,21 @@ def _timing_cache(model, batch: int, context: int, capacity: int, observation_wi
     return cache
 
 
-def measure_steps(
-    model: Any,
-    batch: int,
-    context: int,
-    gammas: Iterable[int] = (4,),
-    budgets: Iterable[int] = (256,),
-    draft: str | DraftView = "streamingllm",
-    repeats: int = 5,
-    input_ids: Any = None,
-    statistic: str = "median",
-    compile_config: Any = None,
-    draft_weights: str = "full",
-    capacity: int | None = None,
-) -> StepTimes:
-    """Time T_T, T_V(γ) and T_D(budget) with the engine's own forwards on one prefilled cache.
+def measure_steps(model: Any, batch: int, context: int, gammas: Iterable[int] = (4,), budgets: Iterable[int] = (256,),
+                  draft: str | DraftView = "streamingllm", repeats: int = 5, input_ids: Any = None,
+                  statistic: str = "median", compile_config: Any = None, draft_weights: str = "full",
+                  capacity: int | None = None) -> StepTimes:
+    """Time T_T, T_V(γ) for ``gammas`` and T_D (draft step 0) for ``budgets`` with the engine's own
+    forwards on one cache of ``batch`` rows × ``context`` tokens; returns :class:`~.store.StepTimes`.
 
-    The cache is rolled back after every verification (``cache.commit(zeros)``, untimed), so the
-    context never changes. Each time is the median (or minimum) of ``repeats`` runs after one warm-up; the
-    forwards are timed round-robin.
-
-    Parameters
-    ----------
-    model : transformers.PreTrainedModel
-        The model, on its device and in its dtype.
-    batch : int
-        Rows B.
-    context : int
-        Cached tokens per row S.
-    gammas : iterable of int
-        Verification sizes to time (γ + 1 tokens each).
-    budgets : iterable of int
-        Draft budgets to time (draft step 0 on a view of that many tokens).
-    draft : str or DraftView
-        Draft view, a name or an instance with its options (only the selection differs between
-        views, not the step's cost).
-    repeats : int
-        Timed runs per forward.
-    input_ids : torch.LongTensor, optional
-        ``[batch, context]`` real prompts: prefilled through the engine (slow, realistic). By
-        default the cache is filled with random KV instead (fast; timings are the same).
-    statistic : str
-        ``"median"`` or ``"min"`` over the repeats. ``"min"`` resists other processes sharing
-        the machine (interference only ever adds time).
-
-    compile_config : transformers.CompileConfig or None
-        Time the draft and verify forwards compiled under it, as ``compile=`` runs them in
-        ``generate`` (fixed-shape buffers; on CUDA the buffers' addresses are marked static, so
-        ``mode="reduce-overhead"`` captures CUDA graphs). None: eager. The first (warm-up) round
-        includes the compilation.
-    draft_weights : str
-        ``"int8"`` / ``"fp16"`` / ``"int4"``: also time the draft steps on the model's quantized draft
-        (:mod:`hf_magicdec.engine.draft_weights`; ``StepTimes.t_draft_quantized``), as
-        ``draft_weights=`` runs them. ``"full"``: the full-precision draft only.
-    capacity : int, optional
-        Slots per row of the timed cache, at least ``context + max(gammas) + 2`` (the default). A
-        compiled step reads the whole buffer, so to time the steps of a compiled ``generate`` pass
-        the capacity it allocates: prompt + ``max_new_tokens`` + γ + 1, rounded up to 256.
-
-    Returns
-    -------
-    StepTimes
-
-    Raises
-    ------
-    ValueError
-        For non-positive sizes or ``input_ids`` of the wrong shape.
+    Verifications are rolled back (untimed), so the context never changes; each time is the
+    ``statistic`` (``"median"``, or ``"min"``, which resists other processes) of ``repeats`` runs after a
+    warm-up. ``draft``: a view name or instance. ``input_ids`` ``[batch, context]``: prefill real
+    prompts (slow) instead of random KV (same timings). ``compile_config``: time the draft and verify
+    forwards compiled as ``compile=`` runs them (the warm-up includes compiling). ``draft_weights``
+    ``"int8"``/``"fp16"``/``"int4"``: time the quantized draft's steps too. ``capacity``: slots per row
+    (>= ``context + max(gammas) + 2``; a compiled step reads the whole buffer, so pass what ``generate``
+    allocates: prompt + ``max_new_tokens`` + γ + 1, rounded up to 256).
     """
     gammas, budgets = tuple(gammas), tuple(budgets)
     _check_sizes(batch, context, repeats, gammas, budgets, statistic, input_ids, capacity)
@@ -151,10 +89,7 @@ def measure_steps(
         check_draft_weights(model, draft_weights, device)
     sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
     q_max = max(gammas) + 1
-    # gamma=1 keeps every budget valid; the view's scratch size does not change step 0's cost.
-    view = MagicDecConfig.from_any(draft=draft, draft_budget=budgets[0], gamma=1).view
-    for k in budgets:
-        view.check(k, 1)
+    view = _timing_view(draft, budgets)
     rng = torch.Generator(device="cpu").manual_seed(0)
     tokens = torch.randint(0, model.config.vocab_size, (batch, q_max), generator=rng).to(device)
     with torch.no_grad(), attention.switched(model):
@@ -178,6 +113,14 @@ def measure_steps(
                      t_draft={k: times[("draft", k)] for k in budgets}, prefill_seconds=prefill_seconds,
                      draft_weights=draft_weights if quantized else "full",
                      t_draft_quantized={k: times[("draft_q", k)] for k in budgets} if quantized else {})
+
+
+def _timing_view(draft: Any, budgets: tuple[int, ...]) -> DraftView:
+    """The view, checked at every budget (γ = 1 keeps them valid; its scratch size does not change step 0's cost)."""
+    view = MagicDecConfig.from_any(draft=draft, draft_budget=budgets[0], gamma=1).view
+    for k in budgets:
+        view.check(k, 1)
+    return view
 
 
 def _check_sizes(batch, context, repeats, gammas, budgets, statistic, input_ids, capacity) -> None:

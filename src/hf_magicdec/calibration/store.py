@@ -1,15 +1,6 @@
-"""Calibration records and their store: what the fit reads and returns, and where a result is
-kept on disk.
-
-* :class:`Measurement`, :class:`StepTimes`  timed forwards (as :mod:`.steps` measures them),
-* :class:`Fit`  fitted effective rates (what :func:`hf_magicdec.calibration.fit.fit` returns),
-* :class:`Calibration`  a fit with its model, device, dtype and measurements; JSON save/load,
-* :func:`cache_root`, :func:`calibration_path`, :func:`device_key`, :func:`cpu_name`,
-  :func:`load_calibration`  the cache: one JSON file per model, device and dtype under
-  ``cache_root() / "calibration"``.
-
-Only :func:`device_key` uses torch, to name the device.
-"""
+"""Calibration records (:class:`Measurement`, :class:`StepTimes`, :class:`Fit`, :class:`Calibration`)
+and their JSON cache, one file per model, device and dtype under ``cache_root() / "calibration"``.
+Only :func:`device_key` uses torch."""
 
 from __future__ import annotations
 
@@ -25,47 +16,24 @@ from typing import Any, Mapping
 import torch
 
 from ..notices import notice
-from ..planner._checks import check_number
+from ..checks import check_number
 from ..planner.hardware import HardwareSpec, get_hardware
 from ..planner.modelspec import ModelSpec
 from ..planner.roofline import forward_cost
 
-__all__ = [
-    "Calibration",
-    "Measurement",
-    "StepTimes",
-    "Fit",
-    "cache_root",
-    "calibration_path",
-    "cpu_name",
-    "device_key",
-    "load_calibration",
-]
+__all__ = ["Calibration", "Measurement", "StepTimes", "Fit", "cache_root", "calibration_path", "cpu_name",
+           "device_key", "load_calibration"]
 
 # 2: quantized_flops["fp16"] is the fp16-weight linear rate (format 1 fitted it into the float16
 # dtype peak, where the planner never read it for fp16 weights: those files hold no fitted rate).
 _FORMAT = 2
 
 
-# ---------------------------------------------------------------------------------------- data
-
-
 @dataclass(frozen=True)
 class Measurement:
-    """One timed forward.
-
-    Attributes
-    ----------
-    kind : str
-        ``"target"`` (T_T), ``"verify"`` (T_V) or ``"draft"`` (T_D, draft step 0).
-    batch, query_tokens, kv_tokens, logit_tokens : int
-        The forward's shape, as in :func:`~hf_magicdec.planner.roofline.forward_cost`.
-    seconds : float
-        Wall time (median or minimum over repeats), seconds.
-    weights : str
-        The linear layers' weights in this forward: ``"full"``, or a quantized draft's format
-        (``"int8"``).
-    """
+    """One timed forward: ``kind`` ``"target"``, ``"verify"`` or ``"draft"`` (step 0), its shape as in
+    :func:`~hf_magicdec.planner.roofline.forward_cost`, wall ``seconds`` (median or minimum of the
+    repeats) and its linear layers' ``weights`` (``"full"`` or a quantized draft's format)."""
 
     kind: str
     batch: int
@@ -84,27 +52,10 @@ class Measurement:
 
 @dataclass(frozen=True)
 class StepTimes:
-    """Step times measured on one prefilled cache.
-
-    Attributes
-    ----------
-    batch, context : int
-        Rows and cached tokens per row.
-    draft : str
-        Draft view used for the draft steps.
-    t_target : float
-        T_T: one 1-token step on the full cache, seconds.
-    t_verify : Mapping[int, float]
-        T_V per γ: one (γ+1)-token verification, seconds.
-    t_draft : Mapping[int, float]
-        T_D per budget: draft step 0 (view of ``budget`` tokens + its own), seconds.
-    prefill_seconds : float
-        Time to fill the cache and build the draft views, seconds (synthetic or real).
-    draft_weights : str
-        Quantized format of ``t_draft_quantized`` (``"full"``: none timed).
-    t_draft_quantized : Mapping[int, float]
-        T_D per budget with the quantized draft weights (``draft_weights``), seconds.
-    """
+    """Step times (seconds) on one prefilled cache of ``batch`` rows × ``context`` tokens: ``t_target``
+    (T_T), ``t_verify`` {γ: T_V}, ``t_draft`` {budget: T_D of draft step 0 with ``draft``},
+    ``t_draft_quantized`` the same on ``draft_weights`` (``"full"``: none timed), and
+    ``prefill_seconds`` (filling the cache and building the views)."""
 
     batch: int
     context: int
@@ -130,44 +81,11 @@ class StepTimes:
 
 @dataclass(frozen=True)
 class Calibration:
-    """Fitted effective rates of one model on one device in one dtype.
-
-    Attributes
-    ----------
-    model : str
-        Model name.
-    spec : ModelSpec
-        Its shapes (the fit is only meaningful for these).
-    device : str
-        Device key (see :func:`device_key`).
-    dtype : str
-        Canonical dtype.
-    bandwidth : float
-        Effective memory bandwidth, bytes/s.
-    flops : float
-        Effective FLOP/s.
-    overhead : float
-        Fixed cost per forward, seconds.
-    overlap : bool
-        Which form fitted better: roofline ``max`` (True) or ``compute + memory`` (False).
-    measurements : tuple[Measurement, ...]
-        What the fit saw.
-    rel_rms_error : float
-        Root-mean-square relative error of the fitted roofline on ``measurements`` (outliers
-        excluded).
-    outliers : tuple[int, ...]
-        Indices of measurements the fit left out (see
-        :func:`~hf_magicdec.calibration.fit.fit`).
-    wall_seconds : float
-        Duration of the calibration run, seconds.
-    created : str
-        ISO timestamp.
-    versions : Mapping[str, str]
-        torch / transformers / Python versions and threads at measuring time.
-    quantized_flops : Mapping[str, float]
-        Effective FLOP/s of the linear layers of a quantized draft per format (``{"int8": …}``),
-        fitted to timed quantized draft steps with the other rates fixed; empty when none was timed.
-    """
+    """Fitted effective rates of ``model`` (shapes ``spec``) on ``device`` (:func:`device_key`) in ``dtype``:
+    ``bandwidth`` bytes/s, ``flops`` FLOP/s, ``overhead`` seconds per forward, ``overlap`` (roofline
+    ``max`` or ``compute + memory`` fitted better), ``quantized_flops`` {format: FLOP/s} of quantized
+    draft linears (empty if none timed). Also the ``measurements``, their ``rel_rms_error`` and the
+    ``outliers`` left out (indices), ``wall_seconds`` of the run, ``created`` (ISO) and ``versions``."""
 
     model: str
     spec: ModelSpec
@@ -191,11 +109,8 @@ class Calibration:
         check_number("overhead", self.overhead, allow_zero=True)
 
     def hardware(self, base: HardwareSpec | str = "cpu") -> HardwareSpec:
-        """``base`` with the fitted bandwidth, FLOP/s (for :attr:`dtype`), overhead and form.
-
-        The tensor-parallel degree and interconnect of ``base`` are kept (calibration runs on
-        one device).
-        """
+        """``base`` with the fitted rates (FLOP/s for :attr:`dtype`), overhead and form; its tensor-parallel
+        degree and interconnect are kept."""
         fitted = Fit(self.bandwidth, self.flops, self.overhead, self.overlap, self.rel_rms_error)
         hardware = fitted.hardware(base, self.dtype, name=f"{self.device} (calibrated)")
         # Only CUDA runs the Triton kernel that emits attended's mass fused; a CPU runs the twin.
@@ -227,13 +142,7 @@ class Calibration:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> "Calibration":
-        """Inverse of :meth:`to_dict`.
-
-        Raises
-        ------
-        ValueError
-            If the data was written by another format version.
-        """
+        """Inverse of :meth:`to_dict`; ValueError for another format version."""
         if data.get("format") != _FORMAT:
             raise ValueError(f"Calibration format {data.get('format')!r} is not {_FORMAT}; recalibrate.")
         fields = {f.name for f in dataclasses.fields(cls)}
@@ -260,24 +169,9 @@ class Calibration:
 
 @dataclass(frozen=True)
 class Fit:
-    """Result of :func:`~hf_magicdec.calibration.fit.fit`.
-
-    Attributes
-    ----------
-    bandwidth : float
-        Effective bandwidth, bytes/s.
-    flops : float
-        Effective FLOP/s.
-    overhead : float
-        Seconds per forward.
-    overlap : bool
-        True: roofline ``max(compute, memory)`` per group; False: ``compute + memory``.
-    rel_rms_error : float
-        Root-mean-square relative error on the measurements that were kept.
-    outliers : tuple[int, ...]
-        Indices of measurements left out as outliers (e.g. timed while another process held
-        the CPU).
-    """
+    """What :func:`~hf_magicdec.calibration.fit.fit` returns: ``bandwidth`` bytes/s, ``flops`` FLOP/s,
+    ``overhead`` seconds per forward, ``overlap`` (True: ``max(compute, memory)`` per group, False: their
+    sum), ``rel_rms_error`` on the measurements kept and the ``outliers`` (indices) left out."""
 
     bandwidth: float
     flops: float
@@ -297,9 +191,6 @@ class Fit:
                             overhead=self.overhead, overlap=self.overlap, layer_overhead=0.0)
 
 
-# ---------------------------------------------------------------------------------------- cache keys
-
-
 def _slug(text: str) -> str:
     return re.sub(r"[^A-Za-z0-9._-]+", "-", text).strip("-").lower() or "unknown"
 
@@ -317,19 +208,8 @@ def cpu_name() -> str:
 
 
 def device_key(device: Any = "cpu") -> str:
-    """Identify the device a calibration belongs to.
-
-    Parameters
-    ----------
-    device : str or torch.device
-        ``"cpu"`` or a CUDA device.
-
-    Returns
-    -------
-    str
-        ``"cpu-<model name>-<threads>t"`` (torch's intra-op threads, which change CPU timings as
-        much as the chip does) or ``"cuda-<device name>"``.
-    """
+    """The key of the device a calibration belongs to: ``"cpu-<model name>-<threads>t"`` (torch's intra-op
+    threads change CPU timings as much as the chip) or ``"cuda-<device name>"``."""
     device = torch.device(device)
     if device.type == "cuda":
         return _slug(f"cuda-{torch.cuda.get_device_name(device)}")
@@ -337,11 +217,8 @@ def device_key(device: Any = "cpu") -> str:
 
 
 def cache_root(cache_dir: str | os.PathLike | None = None) -> Path:
-    """The directory hf_magicdec keeps files in (calibrations; the tooling's converted checkpoints).
-
-    ``cache_dir`` if given, else ``$HF_MAGICDEC_CACHE``, else ``$XDG_CACHE_HOME/hf_magicdec/models``
-    (``~/.cache/hf_magicdec/models``).
-    """
+    """Where hf_magicdec keeps files: ``cache_dir``, else ``$HF_MAGICDEC_CACHE``, else
+    ``$XDG_CACHE_HOME/hf_magicdec/models`` (``~/.cache/hf_magicdec/models``)."""
     if cache_dir is not None:
         return Path(cache_dir).expanduser()
     env = os.environ.get("HF_MAGICDEC_CACHE")
@@ -353,10 +230,7 @@ def cache_root(cache_dir: str | os.PathLike | None = None) -> Path:
 
 def calibration_path(model_name: str, spec: ModelSpec, device: str, dtype: str,
                      cache_dir: str | os.PathLike | None = None) -> Path:
-    """Where the calibration of ``model_name`` (shapes ``spec``) on ``device`` in ``dtype`` lives.
-
-    ``<cache_root(cache_dir)>/calibration/<model>-<shape hash>__<device>__<dtype>.json``.
-    """
+    """``<cache_root(cache_dir)>/calibration/<model>-<shape hash>__<device>__<dtype>.json``."""
     model = _slug(Path(model_name).name or model_name)  # a Hub id or a path: its last part
     dtype = spec.with_dtype(dtype).dtype
     return cache_root(cache_dir) / "calibration" / f"{model}-{spec.key()}__{_slug(device)}__{dtype}.json"
@@ -364,9 +238,8 @@ def calibration_path(model_name: str, spec: ModelSpec, device: str, dtype: str,
 
 def load_calibration(model_name: str, spec: ModelSpec, device: Any = "cpu", dtype: Any = None,
                      cache_dir: str | os.PathLike | None = None) -> Calibration | None:
-    """The cached calibration for this model, device and dtype, or None (no weights are loaded). A
-    file that cannot be read (truncated, another format) is named in a :class:`MagicDecWarning`
-    and ignored, so a plan that falls back to the uncalibrated model says why."""
+    """The cached calibration of this model, device and dtype, or None; an unreadable file is named in a
+    :class:`MagicDecWarning` and ignored."""
     dtype = spec.with_dtype(dtype).dtype if dtype is not None else spec.dtype
     path = calibration_path(model_name, spec, device_key(device), dtype, cache_dir)
     if not path.is_file():

@@ -1,10 +1,5 @@
-"""Per-token acceptance α: a documented default when it was not measured, and how users pass it.
-
-The default is a prior, not a measurement: measure α on your own prompts (a short
-``generate(..., speculative=..., return_dict_in_generate=True)`` gives
-``.speculation.acceptance_rate``; :func:`hf_magicdec.calibration.probe_acceptance` does
-this) and pass it to the planner.
-"""
+"""Per-token acceptance α: the prior used when it was not measured, and how callers pass it
+(measure it with :func:`hf_magicdec.calibration.probe_acceptance` or ``out.speculation.acceptance_rate``)."""
 
 from __future__ import annotations
 
@@ -38,7 +33,8 @@ _FLOOR, _CEIL = 0.05, 0.99
 
 
 def default_acceptance(draft: str, budget: int, context: float, prompt_len: float | None = None) -> float:
-    """Prior per-token acceptance α of a draft view.
+    """Prior per-token acceptance α of view ``draft`` at budget K and context S (tokens; ``prompt_len``
+    P of them the prompt, None: all).
 
     ``α = base(draft) − 0.05·log2(256 / K)⁺ − 0.0125·log2(S / 4096)⁺``, clipped to
     [0.05, 0.99], where ``base`` is 0.80 for ``streamingllm``, 0.85 for ``snapkv`` (which beats
@@ -51,27 +47,7 @@ def default_acceptance(draft: str, budget: int, context: float, prompt_len: floa
     on quantized weights (``"<view>@int8"``, ``"<view>@fp16"``, ``"<view>@int4"``) loses
     ``QUANTIZED_ACCEPTANCE_DROP`` (0.06, 0, 0.10) from its view's prior. A separate draft model
     (``draft="model:<view>"``) gets ``DRAFT_MODEL_ACCEPTANCE`` (0.70) times its view's prior / 0.99.
-
-    Parameters
-    ----------
-    draft : str
-        View name.
-    budget : int
-        Draft budget K, tokens.
-    context : float
-        Context length S, tokens.
-    prompt_len : float, optional
-        Tokens of that context that were the prompt, P (None: all of it, nothing generated yet).
-
-    Returns
-    -------
-    float
-        α in [0.05, 0.99].
-
-    Raises
-    ------
-    ValueError
-        If ``budget`` or ``context`` is not positive, or ``prompt_len`` is negative.
+    ValueError for a budget or context <= 0 or a negative ``prompt_len``.
     """
     if not budget > 0:
         raise ValueError(f"budget must be > 0, got {budget=!r}.")
@@ -110,29 +86,10 @@ def _check_alpha(value: Any, where: str) -> float:
 
 def resolve_acceptance(acceptance: AcceptanceLike, draft: str, budget: int, context: float,
                        prompt_len: float | None = None) -> float:
-    """α for one candidate from what the user passed.
-
-    Parameters
-    ----------
-    acceptance : None, float, Mapping or callable
-        ``None``: :func:`default_acceptance`. A number: the same α everywhere. A mapping keyed
-        by ``(draft, budget)`` or by ``draft`` (the more specific key wins; missing keys fall
-        back to the default). A callable ``f(draft, budget, context) -> α``.
-    draft, budget, context :
-        The candidate (context in tokens).
-    prompt_len : float, optional
-        Tokens of the context that were the prompt (for the default; a callable is not given it).
-
-    Returns
-    -------
-    float
-        α in [0, 1].
-
-    Raises
-    ------
-    ValueError
-        If a supplied α is outside [0, 1].
-    """
+    """α in [0, 1] for one candidate (context in tokens) from ``acceptance``: None, the prior
+    (:func:`default_acceptance`, given ``prompt_len``); a number for every candidate; a mapping keyed
+    by ``(draft, budget)`` or ``draft`` (the more specific wins, missing keys: the prior); or a callable
+    ``f(draft, budget, context) -> α``. ValueError for a supplied α outside [0, 1]."""
     if acceptance is None:
         return default_acceptance(draft, budget, context, prompt_len)
     if callable(acceptance):

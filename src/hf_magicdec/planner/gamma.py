@@ -34,10 +34,8 @@ OFF_REASONS = {
 
 
 class CostProbe:
-    """The cost model checked against this call's step times: a schedule's first
-    :data:`PLAIN_PROBE_STEPS` steps decode plainly, and from then on :attr:`factor` scales the
-    speculative steps' predicted cost by what was measured. The first step of each kind pays
-    one-time costs and is not counted."""
+    """The cost model checked against this call's step times: after :data:`PLAIN_PROBE_STEPS` plain
+    steps, :attr:`factor` scales the predicted speculative cost (the first step of each kind is not counted)."""
 
     def __init__(self) -> None:
         self.steps = {False: 0, True: 0}  # plain (False) and speculative (True) steps seen
@@ -61,9 +59,8 @@ class CostProbe:
 
     @property
     def factor(self) -> float:
-        """How much cheaper speculation is against plain decoding than the cost model says
-        (1.0 until both kinds of step were measured): (plain measured / predicted) / (speculative
-        measured / predicted), shrunk towards 1 by :data:`COST_PRIOR_STEPS`."""
+        """(plain measured / predicted) / (speculative measured / predicted), shrunk towards 1 by
+        :data:`COST_PRIOR_STEPS` (1.0 until both kinds of step were measured)."""
         (plain, plain_model), (spec, spec_model, n) = self._plain, self._speculative
         if not (plain > 0 and spec > 0 and plain_model > 0 and spec_model > 0):
             return 1.0
@@ -71,34 +68,14 @@ class CostProbe:
 
 
 class GammaController:
-    """Adaptive γ: before each step, the γ in ``[1, max_gamma]`` maximising the predicted speedup
-    Ω(γ, α̂) / (γ·T_D/T_T + T_V(γ)/T_T), where α̂ blends the prior α with the acceptance observed
-    so far in this generation (all rows pooled, so every row and rank takes the same γ).
+    """Adaptive γ: before each step, the γ in ``[1, max_gamma]`` maximising Ω(γ, α̂) / (γ·T_D/T_T +
+    T_V(γ)/T_T), α̂ blending the prior ``alpha`` with the acceptance observed so far (rows pooled: every
+    row and rank takes the same γ).
 
-    Parameters
-    ----------
-    gamma : int
-        Starting γ (the plan's).
-    max_gamma : int
-        Largest γ allowed (the draft view's rolling window must hold γ + 1 tokens).
-    alpha : float
-        Prior α (the plan's).
-    draft_ratio : float, optional
-        T_D / T_T, fixed.
-    verify_ratio : dict[int, float], optional
-        T_V(γ) / T_T for γ in ``1..max_gamma``, fixed.
-    step_model : StepModel, optional
-        The ratios as functions of the live batch and the context, instead of fixed ones: γ then
-        follows the context (:mod:`.schedule`).
-    allow_off : bool
-        γ may be 0 (plain decoding on MagicDec's cache) where speculation does not pay, switching
-        with hysteresis (:data:`.schedule.SWITCH_MARGIN`). Until the observed acceptance outweighs
-        the prior, a schedule probes (:data:`PROBE_TOKENS`); off on evidence, it re-probes
-        (:data:`REPROBE_AFTER`).
-    measure_costs : bool
-        With ``step_model`` and ``allow_off``: :meth:`update` is given each step's wall time, and
-        the switch between plain and speculative steps follows the measured costs (a
-        :class:`CostProbe`, :attr:`cost_factor`).
+    The ratios are fixed (``draft_ratio``, ``verify_ratio`` {γ: T_V/T_T}) or, with ``step_model``,
+    follow the live batch and context. ``allow_off``: γ may be 0 where speculation does not pay (with
+    hysteresis; probing while the prior dominates, re-probing when off on evidence). ``measure_costs``
+    (with both): :meth:`update` gets each step's wall time and a :class:`CostProbe` corrects the ratios.
     """
 
     def __init__(self, gamma: int, max_gamma: int, alpha: float, draft_ratio: float | None = None,
@@ -150,9 +127,8 @@ class GammaController:
 
     def update(self, accepted: int, drafted: int, batch: int | None = None, context: int | None = None,
                seconds: float | None = None) -> int:
-        """Add one step's pooled counts; returns the γ for the next step (at ``batch`` live rows and
-        ``context`` tokens per row, for a step model; ignored with fixed ratios). ``seconds``: the
-        step's wall time, used with ``measure_costs`` (None: the call before the first step)."""
+        """Add one step's pooled counts and its wall ``seconds`` (None before the first step); returns the
+        γ for the next step, at ``batch`` live rows and ``context`` tokens per row (for a step model)."""
         self.accepted += accepted
         self.drafted += drafted
         if self.measure_costs and seconds is not None:
@@ -185,9 +161,7 @@ class GammaController:
         return self.gamma
 
     def _why_off(self, model_draft: float, model_verify: dict[int, float]) -> str:
-        """Why γ is 0, from the cost model's own ratios: not even an optimistic acceptance would
-        pay (the context), the model at the observed acceptance would speculate but the measured
-        step times say no (the costs), or the observed acceptance does not pay."""
+        """Why γ is 0 (a key of :data:`OFF_REASONS`), from the cost model's own ratios."""
         if not best_gamma(PROBE_ALPHA, model_draft, model_verify, True)[0]:
             return "context"
         if self.measure_costs and best_gamma(self.alpha, model_draft, model_verify, True)[0]:
@@ -196,9 +170,8 @@ class GammaController:
 
     def _reprobe(self, gamma: int, model_draft: float, model_verify: dict[int, float],
                  draft_ratio: float, verify_ratio: dict[int, float]) -> int:
-        """``gamma``, or a re-probe's γ (the best γ > 0 at the acceptance observed) where
-        speculation has been off on evidence for :data:`REPROBE_AFTER` (doubling) plain steps;
-        ``model_*``: the cost model's ratios, ``draft_ratio``/``verify_ratio``: as measured."""
+        """``gamma``, or a re-probe's best γ > 0 after :data:`REPROBE_AFTER` (doubling) plain steps off on
+        evidence; ``model_*``: the cost model's ratios, the others as measured."""
         if gamma:
             self._off_steps = self._reprobe_left = 0
             return gamma

@@ -1,10 +1,8 @@
 """Hardware specifications: peak FLOP/s per dtype, memory bandwidth, tensor-parallel degree.
 
-Presets use vendor datasheet numbers for dense (non-sparse) tensor-core math, per GPU. They are
-*peaks*: a pure roofline built on them is optimistic (MagicDec §3 notes the roofline predicts 2–3×
-where 1.2–2.5× was measured), which is why :mod:`hf_magicdec.calibration` replaces
-them with effective values fitted on the real device. The ``"cpu"`` preset is only a placeholder
-of the right order of magnitude for a few-core x86 machine; calibrate before trusting it.
+GPU presets are vendor datasheet peaks (dense, per device): a roofline on them is optimistic
+(MagicDec §3: 2–3× predicted where 1.2–2.5× was measured), which :mod:`hf_magicdec.calibration`
+corrects with rates fitted on the device. The ``"cpu"`` preset is an order of magnitude only.
 """
 
 from __future__ import annotations
@@ -15,74 +13,31 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 from ..defaults import QUANTIZED_FORMATS
-from ._checks import check_int, check_number
-from .dtypes import canonical_dtype
+from ..checks import check_int, check_number
+from .modelspec import canonical_dtype
 
 __all__ = ["HardwareSpec", "HARDWARE_PRESETS", "get_hardware"]
 
 
 @dataclass(frozen=True)
 class HardwareSpec:
-    """One accelerator (or a tensor-parallel group of identical ones).
+    """One accelerator, or ``tp`` identical ones in tensor parallel (rates are per device).
 
-    Parameters
-    ----------
-    name : str
-        Label shown in plans and plots.
-    peak_flops : Mapping[str, float]
-        Peak dense FLOP/s of one device per dtype (keys: canonical dtype names, see
-        :func:`~hf_magicdec.planner.dtypes.canonical_dtype`).
-    bandwidth : float
-        Memory bandwidth of one device, bytes/s.
-    memory_bytes : float
-        Memory capacity of one device, bytes (used only for the "does it fit" check).
-    tp : int
-        Tensor-parallel degree: weights, KV heads, query heads and vocabulary are split over
-        ``tp`` devices, and each layer adds two all-reduces.
-    link_bandwidth : float
-        Per-device, per-direction interconnect bandwidth used by all-reduce, bytes/s.
-    allreduce_latency : float
-        Fixed cost of one all-reduce, seconds (only when ``tp > 1``).
-    overhead : float
-        Fixed cost of one forward pass (kernel launches, Python), seconds. 0 in the GPU presets
-        (their host time is ``layer_overhead``); fitted by calibration.
-    layer_overhead : float
-        Host time per decoder layer of an *eager* forward, seconds: on a GPU each of a layer's ~60
-        operators costs a launch and some Python (about 0.3 ms per layer, 10 ms for a 32-layer
-        model, whatever the batch). Paid only when ``captured`` is False.
-    captured : bool
-        Whether the steps run captured (``compile=``: CUDA graphs), which removes the per-layer
-        host time. True by default (``compile="auto"`` captures on CUDA); the per-call planner sets
-        it from the call's ``compile`` setting. Calibrated CPUs fit their host time into ``overhead``.
-    format_flops : Mapping[str, float]
-        Effective FLOP/s of linear layers stored in a compressed weight format (keys ``"int8"``,
-        ``"fp16"``, ``"int4"``: a quantized self-draft's ``draft_weights``), fitted by calibration;
-        a format without an entry runs at ``peak_flops``' rate for its name if listed (CPU int8
-        GEMMs), else at the model's dtype (weight-only formats dequantize and compute in it). Kept
-        apart from ``peak_flops`` because ``"fp16"`` weights are not the float16 dtype: fbgemm's
-        fp16-weight linear layers compute in fp32.
-    overlap : bool
-        True (roofline): an op group costs ``max(compute, memory)``, the two overlap perfectly,
-        as on GPUs. False: ``compute + memory``, which describes small CPU matmuls better (see
-        :mod:`~hf_magicdec.calibration.fit`, which picks whichever fits the device).
-    fused_mass : bool
-        Whether the verify attention emits the attention mass per page (the ``attended`` view's
-        choice) inside its fused kernel (the Triton kernel, on CUDA): then it costs a few bytes per
-        page. False (the ``cpu`` preset and CPU calibrations): the PyTorch twin computes that
-        verification's attention with an explicit softmax, writing and reading its fp32
-        probabilities once more than a fused attention does (at 8 rows x 4K on 2 CPU cores, 5.2 ms
-        per layer against 4.4 ms).
-
-    Raises
-    ------
-    ValueError
-        If a number is non-positive (``overhead``/``allreduce_latency`` may be 0) or ``tp`` is
-        not a positive int.
-
-    Examples
-    --------
-    >>> get_hardware("h100", tp=8).tp
-    8
+    ``peak_flops``: dense FLOP/s per dtype (canonical names, :func:`~.modelspec.canonical_dtype`).
+    ``bandwidth``: memory bytes/s; ``memory_bytes``: capacity (only for the "does it fit" check).
+    ``tp``: weights, heads and vocabulary are split over ``tp`` devices, two all-reduces per layer
+    over ``link_bandwidth`` (bytes/s per direction), each costing ``allreduce_latency`` seconds more.
+    ``overhead``: seconds per forward (fitted by calibration; 0 in the GPU presets). ``layer_overhead``:
+    host seconds per decoder layer of an eager forward (~0.3 ms on a GPU), paid unless ``captured``
+    (steps under CUDA graphs, ``compile=``; the per-call planner sets it). ``format_flops``: FLOP/s of
+    linear layers stored as ``"int8"``, ``"fp16"``, ``"int4"`` (a quantized self-draft), fitted by
+    calibration; without an entry a format runs at ``peak_flops[format]`` if listed, else at the
+    model's dtype (``"fp16"`` weights are not the float16 dtype: fbgemm computes them in fp32).
+    ``overlap``: an op group costs ``max(compute, memory)`` (GPUs) or, False, their sum (small CPU
+    matmuls). ``fused_mass``: the verify attention emits ``attended``'s page mass inside its fused
+    kernel (CUDA); False (CPUs): the PyTorch twin's explicit softmax writes and reads its fp32
+    probabilities once more. ValueError for a non-positive number (``overhead``, ``layer_overhead``
+    and ``allreduce_latency`` may be 0) or a ``tp`` that is not a positive int.
     """
 
     name: str
@@ -100,8 +55,7 @@ class HardwareSpec:
     fused_mass: bool = True
 
     def __reduce__(self):
-        """Picklable (a plan's step model is broadcast to the other ranks): the read-only mapping
-        travels as a dict and is made read-only again on the other side."""
+        # Picklable (a step model is broadcast to the other ranks): the read-only mappings travel as dicts.
         fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         fields["peak_flops"] = dict(self.peak_flops)
         fields["format_flops"] = dict(self.format_flops)
@@ -126,30 +80,19 @@ class HardwareSpec:
             check_number(f"format_flops[{key!r}]", value)
         object.__setattr__(self, "format_flops",
                            types.MappingProxyType({k: float(v) for k, v in self.format_flops.items()}))
-        check_number("bandwidth", self.bandwidth)
-        if self.memory_bytes != float("inf"):  # inf = capacity unknown / not checked
-            check_number("memory_bytes", self.memory_bytes)
-        check_number("link_bandwidth", self.link_bandwidth)
-        check_number("allreduce_latency", self.allreduce_latency, allow_zero=True)
-        check_number("overhead", self.overhead, allow_zero=True)
-        check_number("layer_overhead", self.layer_overhead, allow_zero=True)
+        unknown_memory = self.memory_bytes == float("inf")  # capacity unknown: not checked
+        for name in ("bandwidth",) + (() if unknown_memory else ("memory_bytes",)) + ("link_bandwidth",):
+            check_number(name, getattr(self, name))
+        for name in ("allreduce_latency", "overhead", "layer_overhead"):
+            check_number(name, getattr(self, name), allow_zero=True)
         check_int("tp", self.tp)
-        if not isinstance(self.overlap, bool):
-            raise ValueError(f"overlap must be a bool, got {self.overlap!r}.")
-        if not isinstance(self.fused_mass, bool):
-            raise ValueError(f"fused_mass must be a bool, got {self.fused_mass!r}.")
+        for name in ("overlap", "fused_mass"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}.")
 
     def peak(self, dtype: Any) -> float:
-        """Peak FLOP/s of one device for ``dtype``.
-
-        A dtype without its own entry falls back to the nearest wider one that has one
-        (float8 → bfloat16/float16 → float32): the math then runs at that rate.
-
-        Raises
-        ------
-        ValueError
-            If neither the dtype nor a wider one is listed.
-        """
+        """Peak FLOP/s of one device for ``dtype``, else for the nearest wider dtype listed (float8 →
+        bfloat16/float16 → float32); ValueError if none is."""
         name = canonical_dtype(dtype)
         order = {"float8": ("float8", "bfloat16", "float16", "float32"),
                  "bfloat16": ("bfloat16", "float16", "float32"),
@@ -161,8 +104,7 @@ class HardwareSpec:
         raise ValueError(f"{self.name!r} lists no peak FLOP/s for {dtype=!r} (has {sorted(self.peak_flops)}).")
 
     def linear_peak(self, weight_format: str | None, dtype: Any) -> float:
-        """FLOP/s of linear layers stored as ``weight_format`` (None: in ``dtype``), see
-        ``format_flops``."""
+        """FLOP/s of linear layers stored as ``weight_format`` (None: in ``dtype``), see ``format_flops``."""
         if weight_format is None:
             return self.peak(dtype)
         if weight_format in self.format_flops:
@@ -222,19 +164,12 @@ HARDWARE_PRESETS: dict[str, HardwareSpec] = {
         layer_overhead=_EAGER_LAYER_OVERHEAD,
     ),
     "cpu": HardwareSpec(
-        # Effective rates, not datasheet peaks: what `hf-magicdec plan --calibrate` fitted on the
-        # 2-core x86 VM the benchmarks of docs/benchmarks.md ran on (Xeon, AVX2, torch 2.13, 2026-12;
-        # SmolLM2-135M in fp32: 11.5 GB/s, 181 GFLOP/s, additive, no fixed overhead; another such VM
-        # fitted 15.7 GB/s and 116 GFLOP/s). The ratio of FLOP/s to bytes/s decides how much more a
-        # verification of γ + 1 tokens costs than one decode step: measured 1.1x at γ = 1 and 1.4x at
-        # γ = 4 at 8 rows, predicted 1.2x and 1.8x (the former preset, 100 GFLOP/s and 20 GB/s: 1.5x
-        # and 2.7x). A machine with more cores has more of both: calibrate to replace them.
+        # Effective rates, not peaks: what `hf-magicdec plan --calibrate` fitted on the 2-core x86 VM of
+        # docs/benchmarks.md (SmolLM2-135M, fp32: 11.5 GB/s, 181 GFLOP/s, additive). Calibrate to replace them.
         name="cpu (uncalibrated)",
         fused_mass=False,  # the PyTorch twin emits attended's mass (explicit softmax)
         peak_flops={"float32": 180e9, "bfloat16": 50e9, "float16": 25e9},
-        # Linear layers of a compressed self-draft: dynamically quantized int8 (activations
-        # quantized per call) and fbgemm's fp16 weights (fp32 math), both slower per FLOP than
-        # fp32 GEMMs there; they win by reading fewer bytes.
+        # Dynamically quantized int8 and fbgemm's fp16 weights (fp32 math): slower per FLOP, fewer bytes.
         format_flops={"int8": 85e9, "fp16": 95e9},
         bandwidth=12 * _GB, link_bandwidth=10 * _GB, allreduce_latency=20e-6, overhead=0.0, overlap=False,
     ),
@@ -244,21 +179,8 @@ _PRESET_ALIASES = {"a100-80gb": "a100", "a100-sxm": "a100", "h100-sxm": "h100", 
 
 
 def get_hardware(name: str | HardwareSpec, tp: int = 1) -> HardwareSpec:
-    """Return a preset by name (case-insensitive), ``tp`` devices in tensor parallel.
-
-    Parameters
-    ----------
-    name : str or HardwareSpec
-        ``"a100"``, ``"h100"``, ``"h200"``, ``"l40s"`` or ``"cpu"``; a spec is returned as is
-        (with ``tp`` applied when ``tp != 1``).
-    tp : int
-        Tensor-parallel degree.
-
-    Raises
-    ------
-    ValueError
-        If the name is unknown.
-    """
+    """The preset ``name`` (``"a100"``, ``"h100"``, ``"h200"``, ``"l40s"``, ``"cpu"``; case-insensitive;
+    ValueError if unknown) or the spec given, ``tp`` devices in tensor parallel."""
     if isinstance(name, HardwareSpec):
         return name if tp == 1 else name.with_tp(tp)
     key = str(name).strip().lower()

@@ -1,12 +1,7 @@
-"""The acceptance memory: what earlier generations of a model measured, for the next plan.
-
-Per live model, ``(draft key, budget) -> (accepted, drafted)`` over this process's generations.
-Keyed by the model object itself through weak references, so a model's entries go away with it
-and can never be inherited by a later model that happens to reuse its ``id()`` after garbage
-collection; each model keeps at most :data:`MAX_ENTRIES_PER_MODEL` entries (least recently used
-dropped first), so the memory is bounded by the models alive. Torch-free: models are only keys.
-
-Draft keys (:func:`draft_key`): the view name (``snapkv``), ``<view>@<format>`` for a self-draft on
+"""The acceptance memory: ``(draft key, budget) -> (accepted, drafted)`` per live model, over this
+process's generations, for the next plan. Keyed by the model through weak references (entries die
+with it, never inherited through a reused ``id()``), at most :data:`MAX_ENTRIES_PER_MODEL` per model
+(least recently used dropped). Draft keys (:func:`draft_key`): ``snapkv``, ``<view>@<format>`` for
 quantized weights, ``model:<draft model>#<serial>:<view>`` for a separate draft model.
 """
 

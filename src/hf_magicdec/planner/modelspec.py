@@ -1,8 +1,7 @@
-"""Model shapes the cost model needs, read from any Hugging Face config object or dict.
-
-No weights are loaded and transformers is not imported: a ``PretrainedConfig``, the dict of a
-``config.json`` or any object with the usual attributes will do.
-"""
+"""Model shapes the cost model needs, read from a ``PretrainedConfig``, a ``config.json`` dict or any
+object with the usual attributes (no weights loaded, transformers not imported), and the canonical
+dtype names (``"float32"``, ``"bfloat16"``, ``"float16"``, ``"float8"``, ``"int8"``) from aliases or
+``torch.dtype`` objects (through their ``str``), without importing torch."""
 
 from __future__ import annotations
 
@@ -12,17 +11,39 @@ import json
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-from ._checks import check_int
-from .dtypes import canonical_dtype, dtype_bytes
+from ..checks import check_int
 
-__all__ = ["ModelSpec"]
+__all__ = ["ModelSpec", "DTYPE_BYTES", "canonical_dtype", "dtype_bytes"]
+
+#: canonical name -> bytes per element
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float8": 1, "int8": 1}
+
+_ALIASES = {"fp32": "float32", "f32": "float32", "float": "float32", "float32": "float32", "tf32": "float32",
+            "bf16": "bfloat16", "bfloat16": "bfloat16", "fp16": "float16", "f16": "float16", "half": "float16",
+            "float16": "float16", "fp8": "float8", "float8": "float8", "float8_e4m3fn": "float8",
+            "float8_e5m2": "float8", "f8": "float8",
+            "int8": "int8", "qint8": "int8"}  # int8: quantized linear layers (a peak FLOP/s key; weights only)
+
+
+def canonical_dtype(dtype: Any) -> str:
+    """The canonical name of ``dtype`` (``"fp32"``, ``"bf16"``, ``torch.bfloat16`` …); ValueError if unknown."""
+    key = str(dtype).strip().lower()
+    if key.startswith("torch."):
+        key = key[len("torch."):]
+    if key not in _ALIASES:
+        raise ValueError(f"Unknown dtype {dtype=!r}; use one of {sorted(set(_ALIASES))}.")
+    return _ALIASES[key]
+
+
+def dtype_bytes(dtype: Any) -> int:
+    """Bytes per element of ``dtype`` (see :func:`canonical_dtype`)."""
+    return DTYPE_BYTES[canonical_dtype(dtype)]
+
 
 # Bytes per weight of the quantized linear formats (None: the model's dtype).
 _WEIGHT_FORMAT_BYTES = {None: None, "int8": 1.0, "fp16": 2.0, "int4": 0.5}
 
-# Architectures whose MLP is a plain two-matrix up/down projection; everything else is treated
-# as gated (SwiGLU/GeGLU: gate, up and down matrices), which is what Llama, Qwen, Mistral, Gemma
-# and Phi-3 use.
+# Architectures with a two-matrix MLP; all others are gated (SwiGLU/GeGLU, as Llama, Qwen, Gemma).
 _UNGATED = frozenset({"gpt2", "gpt_neox", "gptj", "gpt_bigcode", "opt", "bloom", "falcon", "phi", "starcoder2",
                       "codegen", "gpt_neo", "mpt"})
 _MOE_FIELDS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
@@ -41,50 +62,13 @@ def _get(config: Any, *names: str, default: Any = None) -> Any:
 class ModelSpec:
     """Shapes of a decoder-only transformer, as the roofline sees them.
 
-    Parameters
-    ----------
-    name : str
-        Label.
-    layers : int
-        Decoder layers.
-    hidden : int
-        Hidden size d.
-    heads : int
-        Query heads H.
-    kv_heads : int
-        Key/value heads (``heads`` for MHA, fewer for GQA, 1 for MQA); must divide ``heads``.
-    head_dim : int
-        Size of one head (may differ from ``hidden // heads``, e.g. Gemma, Qwen3).
-    intermediate : int
-        MLP inner size.
-    vocab : int
-        Vocabulary size (rows of the LM head).
-    tied_embeddings : bool
-        Input embedding and LM head share one matrix (affects the parameter count only: the
-        LM head is read in full every forward either way; the embedding table is not).
-    gated_mlp : bool
-        Three MLP matrices (gate, up, down) instead of two.
-    dtype : str
-        Weight and activation dtype (canonical name, e.g. ``"bfloat16"``).
-    kv_dtype : str or None
-        KV cache dtype; ``None`` = ``dtype``.
-    weight_format : str or None
-        Linear layers (LM head included) stored quantized: ``"int8"`` (1 byte per weight),
-        ``"fp16"`` (2 bytes) or ``"int4"`` (half a byte); None = ``dtype``. A quantized self-draft
-        is the model's spec with this set (:meth:`with_weights`).
-
-    Raises
-    ------
-    ValueError
-        If a size is not a positive int or ``kv_heads`` does not divide ``heads``.
-
-    Examples
-    --------
-    >>> spec = ModelSpec.from_config({"num_hidden_layers": 32, "hidden_size": 4096,
-    ...     "num_attention_heads": 32, "num_key_value_heads": 8, "intermediate_size": 14336,
-    ...     "vocab_size": 128256, "torch_dtype": "bfloat16"})
-    >>> spec.group, spec.kv_bytes_per_token
-    (4, 131072)
+    ``hidden`` d, ``heads`` H, ``kv_heads`` (must divide ``heads``), ``head_dim`` (may differ from
+    ``hidden // heads``), ``intermediate`` (MLP inner size), ``vocab`` (LM head rows).
+    ``tied_embeddings`` only changes the parameter count (the LM head is read every forward either
+    way). ``gated_mlp``: gate, up and down matrices instead of two. ``dtype``: weights and activations
+    (canonical name); ``kv_dtype`` None: ``dtype``. ``weight_format``: linear layers (LM head
+    included) stored as ``"int8"`` (1 byte a weight), ``"fp16"`` (2) or ``"int4"`` (0.5); None: ``dtype``
+    (a quantized self-draft is :meth:`with_weights`). ValueError for a size that is not a positive int.
     """
 
     name: str
@@ -113,7 +97,6 @@ class ModelSpec:
         if self.kv_dtype is not None:
             object.__setattr__(self, "kv_dtype", canonical_dtype(self.kv_dtype))
 
-    # ------------------------------------------------------------------ derived sizes
     @property
     def group(self) -> int:
         """Query heads per KV head (g); the arithmetic intensity of attention in FLOP/element."""
@@ -180,38 +163,14 @@ class ModelSpec:
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
-    # ------------------------------------------------------------------ construction
     @classmethod
     def from_config(cls, config: Any, *, dtype: Any = None, name: str | None = None) -> "ModelSpec":
-        """Read the shapes from a Hugging Face config.
-
-        Parameters
-        ----------
-        config : PretrainedConfig, Mapping or object
-            A model config (``model.config``, ``AutoConfig.from_pretrained(...)``, the dict of a
-            ``config.json``). Multimodal configs with a ``text_config`` use that. GPT-2 style
-            names (``n_layer``, ``n_embd``, ``n_head``, ``n_inner``) are understood.
-        dtype : str or torch.dtype, optional
-            Overrides the config's ``torch_dtype``/``dtype`` (default bfloat16 if it has none).
-        name : str, optional
-            Label; default the config's ``_name_or_path`` or ``model_type``.
-
-        Returns
-        -------
-        ModelSpec
-
-        Raises
-        ------
-        ValueError
-            If a required size is missing, the config describes a mixture of experts (whose
-            weight traffic depends on routing and is not modelled), or sizes are inconsistent.
-
-        Notes
-        -----
-        Missing fields: ``num_key_value_heads`` → ``heads`` (MHA; ``multi_query`` → 1),
-        ``head_dim`` → ``hidden // heads``, ``intermediate_size`` → ``4 * hidden``,
-        ``tie_word_embeddings`` → False. Sliding-window layers are modelled as full attention
-        (the engine refuses windows shorter than the generation).
+        """The shapes of a Hugging Face config (object or dict; a ``text_config`` wins; GPT-2 style names
+        too). ``dtype`` overrides the config's (default bfloat16); ``name`` defaults to ``_name_or_path``
+        or ``model_type``. Missing: ``num_key_value_heads`` → ``heads`` (``multi_query`` → 1), ``head_dim``
+        → ``hidden // heads``, ``intermediate_size`` → ``4 * hidden``, ``tie_word_embeddings`` → False;
+        sliding windows count as full attention. ValueError for a missing size, a mixture of experts
+        (routing-dependent weight traffic is not modelled) or inconsistent sizes.
         """
         text = _get(config, "text_config")
         if text is not None and _get(text, "num_hidden_layers", "n_layer") is not None:
@@ -219,10 +178,8 @@ class ModelSpec:
         for field_name in _MOE_FIELDS:
             experts = _get(config, field_name)
             if isinstance(experts, int) and experts > 1:
-                raise ValueError(
-                    f"Mixture-of-experts models are not modelled ({field_name}={experts}): weight traffic per "
-                    "step depends on expert routing."
-                )
+                raise ValueError(f"Mixture-of-experts models are not modelled ({field_name}={experts}): weight "
+                                 "traffic per step depends on expert routing.")
         layers = _get(config, "num_hidden_layers", "n_layer", "num_layers")
         hidden = _get(config, "hidden_size", "n_embd", "d_model")
         heads = _get(config, "num_attention_heads", "n_head", "num_heads")
@@ -246,16 +203,7 @@ class ModelSpec:
         if dtype is None:
             dtype = _get(config, "dtype", "torch_dtype", default="bfloat16")
         label = name or _get(config, "_name_or_path", default=None) or model_type or "model"
-        return cls(
-            name=str(label),
-            layers=layers,
-            hidden=hidden,
-            heads=heads,
-            kv_heads=kv_heads,
-            head_dim=head_dim,
-            intermediate=intermediate,
-            vocab=vocab,
-            tied_embeddings=bool(_get(config, "tie_word_embeddings", default=False)),
-            gated_mlp=model_type not in _UNGATED,
-            dtype=canonical_dtype(dtype),
-        )
+        return cls(name=str(label), layers=layers, hidden=hidden, heads=heads, kv_heads=kv_heads, head_dim=head_dim,
+                   intermediate=intermediate, vocab=vocab,
+                   tied_embeddings=bool(_get(config, "tie_word_embeddings", default=False)),
+                   gated_mlp=model_type not in _UNGATED, dtype=canonical_dtype(dtype))

@@ -1,30 +1,9 @@
 """Per-op-group roofline of one forward pass, and the three step times of speculation.
 
-A forward of ``q`` query tokens per row, for ``B`` rows, attending to ``L`` cached tokens, is
-split into op groups per layer; each group costs ``max(FLOPs / peak FLOP/s, bytes / bandwidth)``
-(or the sum of the two on hardware with ``overlap=False``, i.e. CPUs) and the groups are summed
-over layers::
-
-    linear     projections + MLP     bytes = layer weights          FLOPs = 2·B·q·weights
-    attention  KV read + write       bytes = 2·B·Hkv·(L+q)·Dh·kvb   FLOPs = 4·B·q·L·H·Dh
-    lm_head    once per forward      bytes = V·d·wb                 FLOPs = 2·B·n_logits·V·d
-    allreduce  2 per layer if tp>1   ring all-reduce of B·q·d activations + latency
-    overhead   once per forward      hardware.overhead (+ layers · layer_overhead when not captured)
-
-With tensor parallelism the weights, heads, KV heads (replicated when fewer than ``tp``) and
-vocabulary are split over ``tp`` devices. The three steps of MagicDec (``T_T``, ``T_D``, ``T_V``)
-are this forward with different ``q``, ``L`` and ``n_logits`` (``logits_to_keep``):
-
-=========  ===  ==========================  ========
-step       q    L (keys per query)          n_logits
-=========  ===  ==========================  ========
-target     1    S + 1                       1
-draft i    1    min(K, S) + i + 1           1
-verify     γ+1  S + γ + 1                   γ+1
-=========  ===  ==========================  ========
-
-(``i`` = tokens drafted so far in this step; the engine's attention is masked, not causal-skipping,
-so every query of a verify block pays for all ``S + γ + 1`` keys.)
+A forward of ``q`` query tokens for ``B`` rows attending to ``L`` keys costs, per op group (linear,
+attention, lm_head), ``max(FLOPs / peak, bytes / bandwidth)`` (their sum with ``overlap=False``),
+plus all-reduces (``tp > 1``) and host overhead. T_T, T_D and T_V are this forward with different
+``q``, ``L`` and logits: see docs/cost_model.md, §2–3.
 """
 
 from __future__ import annotations
@@ -33,7 +12,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Mapping
 
-from ._checks import check_int
+from ..checks import check_int
 from .hardware import HardwareSpec
 from .modelspec import ModelSpec
 
@@ -42,20 +21,8 @@ __all__ = ["GroupCost", "StepCost", "forward_cost", "target_step", "draft_step",
 
 @dataclass(frozen=True)
 class GroupCost:
-    """One op group of one forward, summed over layers.
-
-    Attributes
-    ----------
-    flops : float
-        FLOPs per device.
-    bytes : float
-        Bytes moved from/to memory per device.
-    seconds : float
-        Time of the group, seconds: ``max(flops / peak, bytes / bandwidth)`` per layer summed
-        over layers, or the communication / fixed time of ``allreduce`` / ``overhead``.
-    compute_bound : bool
-        True when the FLOP term is the larger one (always False for ``allreduce``/``overhead``).
-    """
+    """One op group of one forward summed over layers: FLOPs and bytes per device, seconds, and
+    whether the FLOP term is the larger (always False for ``allreduce`` and ``overhead``)."""
 
     flops: float
     bytes: float
@@ -65,15 +32,8 @@ class GroupCost:
 
 @dataclass(frozen=True)
 class StepCost:
-    """Predicted cost of one forward pass.
-
-    Attributes
-    ----------
-    seconds : float
-        Total predicted time, seconds.
-    groups : Mapping[str, GroupCost]
-        ``linear``, ``attention``, ``lm_head``, ``allreduce``, ``overhead``.
-    """
+    """Predicted seconds of one forward and its ``groups``: ``linear``, ``attention``, ``lm_head``,
+    ``allreduce``, ``overhead``."""
 
     seconds: float
     groups: Mapping[str, GroupCost] = field(hash=False)
@@ -95,15 +55,8 @@ def _group(flops: float, nbytes: float, peak: float, bandwidth: float, layers: i
 
 def group_work(model: ModelSpec, tp: int, *, batch: int, query_tokens: int, kv_tokens: int,
                logit_tokens: int) -> dict[str, tuple[float, float, int]]:
-    """FLOPs and bytes per device of each roofline group, per layer.
-
-    Returns
-    -------
-    dict
-        ``{group: (flops, bytes, repeats)}`` for ``linear``, ``attention`` (``repeats`` =
-        layers) and ``lm_head`` (``repeats`` = 1). Shared by :func:`forward_cost` and the
-        calibration fit, which needs the raw work to fit effective rates.
-    """
+    """``{group: (FLOPs, bytes, repeats)}`` per device of ``linear`` and ``attention`` (per layer,
+    repeated ``layers`` times) and ``lm_head`` (once); the calibration fit reads it too."""
     heads = math.ceil(model.heads / tp)
     # Fewer KV heads than devices: each device holds a replica of its KV head.
     kv_heads = math.ceil(model.kv_heads / tp)
@@ -122,33 +75,9 @@ def group_work(model: ModelSpec, tp: int, *, batch: int, query_tokens: int, kv_t
 
 def forward_cost(model: ModelSpec, hardware: HardwareSpec, *, batch: int, query_tokens: int, kv_tokens: int,
                  logit_tokens: int) -> StepCost:
-    """Roofline time of one forward pass.
-
-    Parameters
-    ----------
-    model : ModelSpec
-        Shapes and dtype.
-    hardware : HardwareSpec
-        Device (and tensor-parallel degree).
-    batch : int
-        Rows B.
-    query_tokens : int
-        New tokens per row q.
-    kv_tokens : int
-        Keys each query attends to L (cached tokens plus the new ones).
-    logit_tokens : int
-        Tokens per row whose logits are computed (``logits_to_keep``).
-
-    Returns
-    -------
-    StepCost
-        Total seconds and the per-group breakdown.
-
-    Raises
-    ------
-    ValueError
-        If a count is not a positive int (``kv_tokens`` may not be below ``query_tokens``).
-    """
+    """Roofline :class:`StepCost` of one forward: ``batch`` rows of ``query_tokens`` new tokens each
+    attending to ``kv_tokens`` keys (cached plus new, >= ``query_tokens``), logits for ``logit_tokens``
+    per row. ValueError for a count that is not a positive int."""
     check_int("batch", batch, 1)
     check_int("query_tokens", query_tokens, 1)
     check_int("kv_tokens", kv_tokens, query_tokens)
@@ -185,11 +114,8 @@ def target_step(model: ModelSpec, hardware: HardwareSpec, batch: int, context: i
 
 def draft_step(model: ModelSpec, hardware: HardwareSpec, batch: int, context: int, budget: int,
                step: int = 0) -> StepCost:
-    """T_D(B, S, K): draft step ``step`` (0-based) on a view of ``min(K, S)`` tokens.
-
-    The draft also attends to the ``step`` tokens it drafted earlier in this speculation step
-    and to its own new token.
-    """
+    """T_D(B, S, K): draft step ``step`` (0-based) on a view of ``min(K, S)`` tokens, plus the
+    ``step`` tokens drafted before it and its own."""
     check_int("budget", budget, 1)
     check_int("step", step, 0)
     check_int("context", context, 0)

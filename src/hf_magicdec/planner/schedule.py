@@ -1,12 +1,9 @@
-"""γ as a function of the context a generation has reached: the schedule of long generations.
+"""γ as a function of the live batch and the context a generation has reached.
 
-A short prompt and thousands of new tokens (reasoning traces, RL rollouts) start where speculation
-does not pay (the KV cache is small, a step is dominated by the weights) and grow into where it
-does. So γ is chosen per step from the live batch, the context and the acceptance observed so
-far; γ = 0 is plain decoding on MagicDec's own cache (a speedup of exactly 1 by definition), and a
-switch between γ = 0 and γ > 0 needs the predicted speedup to clear 1 by :data:`SWITCH_MARGIN`, so
-that the schedule does not flap around break-even. The planner prices a candidate by the same
-schedule integrated over the generation (:func:`scheduled_speedup`).
+Long generations from short prompts start where speculation does not pay and grow into where it
+does: γ is chosen per step, γ = 0 being plain decoding on MagicDec's cache (speedup 1), and a switch
+between 0 and γ > 0 needs the speedup to clear 1 by :data:`SWITCH_MARGIN`. The planner prices a
+candidate by this schedule over the generation (:func:`scheduled_speedup`).
 """
 
 from __future__ import annotations
@@ -48,16 +45,9 @@ def best_gamma(alpha: float, draft_ratio: float, verify_ratio: dict[int, float],
 
 @dataclass(frozen=True)
 class StepModel:
-    """Step-time ratios of one configuration as functions of the live batch and the context.
-
-    Attributes
-    ----------
-    spec, hardware : the target and the device model.
-    drafter : the spec the draft steps run (the target, its quantized draft, or a draft model).
-    budget : draft budget K.
-    view : the draft view (its selection cost, for query-aware views).
-    gammas : the γs considered.
-    """
+    """Step-time ratios of one configuration (target ``spec`` on ``hardware``; ``drafter``: the spec the
+    draft steps run; ``budget`` K; ``view`` for its selection cost; the ``gammas`` considered) as
+    functions of the live batch and the context."""
 
     spec: ModelSpec
     hardware: HardwareSpec

@@ -1,17 +1,9 @@
-"""The planner: pick the draft view, budget K and γ with the best predicted speedup, or decide
-that plain decoding is faster.
+"""The search: the draft view, budget K and γ with the best predicted speedup, or plain decoding.
 
-Search: every (draft, budget, γ) with ``budget < prompt_len`` (a larger view holds the whole
-prompt: nothing is compressed; with ``schedule=True``, where γ follows the context, ``budget <
-prompt_len + new_tokens``: the view holds everything until the generation outgrows it) that the
-view accepts (``view.fits(budget, gamma)``, the same check as :class:`~hf_magicdec.MagicDecConfig`),
-evaluated at the mean context over the generation, ``prompt_len + new_tokens / 2``. Step times
-come from the roofline on ``hardware`` (or on the calibrated device when ``calibration`` is given).
-
-The planner stays torch-free: it never imports the views. Its callers hand it view objects
-(``hf_magicdec.views.get_view(name, **options)``; :func:`hf_magicdec.plan` takes names), read
-duck-typed: ``name``, ``fits(budget, gamma)``, ``query_aware`` and ``page_size`` (selection cost,
-:mod:`.selection`), and their dataclass fields (the options :meth:`Plan.to_config` carries).
+Candidates are every (view, budget, γ, weights) the view accepts (``view.fits(budget, gamma)``) with
+``budget < prompt_len`` (``< prompt_len + new_tokens`` with ``schedule=True``), priced at the mean
+context ``prompt_len + new_tokens / 2`` on the roofline of ``hardware`` (or of ``calibration``).
+Torch-free: views are read duck-typed (``name``, ``fits``, ``query_aware``, ``page_size``, fields).
 """
 
 from __future__ import annotations
@@ -20,7 +12,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Iterable, NamedTuple, Protocol
 
-from ._checks import check_int
+from ..checks import check_int
 from .acceptance import WEIGHTS_SEPARATOR, AcceptanceLike, resolve_acceptance
 from .hardware import HardwareSpec, get_hardware
 from .modelspec import ModelSpec
@@ -54,8 +46,8 @@ class DraftLike(Protocol):
     def fits(self, budget: int, gamma: int) -> bool: ...
 
 
-def _views(what: str, values: Iterable[Any]) -> tuple[Any, ...]:
-    values = tuple(values)
+def _views(what: str, values: Iterable[Any] | None) -> tuple[Any, ...]:
+    values = () if values is None else tuple(values)
     for v in values:
         if isinstance(v, str) or not callable(getattr(v, "fits", None)) \
                 or not isinstance(getattr(v, "name", None), str):
@@ -81,38 +73,16 @@ def _options(view: Any) -> dict[str, Any]:
 class Plan:
     """The planner's decision for one workload.
 
-    Attributes
-    ----------
-    speculate : bool
-        False when no candidate beats plain decoding (predicted speedup below
-        ``min_speedup``): use plain ``generate``. In the plan of a call
-        (:func:`hf_magicdec.plan`, ``out.speculation.plan``): whether the call speculates.
-    draft, draft_budget, gamma :
-        Best candidate (``None`` when there was no candidate at all, e.g. a prompt shorter than
-        every budget).
-    predicted_speedup : float
-        Of the best candidate (1.0 when there is none).
-    acceptance : float or None
-        α assumed for the best candidate.
-    tokens_per_step : float or None
-        Ω(γ, α) of the best candidate.
-    t_target, t_draft, t_verify : float or None
-        Step times used, seconds: T_T, mean T_D over the γ draft steps, T_V.
-    runner_ups : tuple[Estimate, ...]
-        The best γ of each other (draft, budget), best first (at most 5).
-    batch_size, prompt_len, new_tokens, context :
-        The workload; ``context`` is the mean context used, tokens.
-    draft_model : str or None
-        Name of the separate draft model the best candidate drafts with (None: self-speculation).
-    draft_options : dict
-        The best candidate's view options away from their defaults (``{"window": 16}``).
-    draft_weights : str
-        The best candidate's draft weights: ``"full"``, ``"int8"``, ``"fp16"`` or ``"int4"``.
-    model, hardware : str
-        Names of the model spec and the device (``"... (calibrated)"`` when calibrated, ``" xN"`` with
-        N-way tensor parallelism).
-    reason : str
-        One line explaining the decision.
+    ``speculate``: False when the best predicted speedup is below ``min_speedup`` (use plain
+    ``generate``); in the plan of a call (:func:`hf_magicdec.plan`), whether the call speculates.
+    ``draft``, ``draft_budget``, ``gamma``: the best candidate, None when there is none (e.g. a prompt
+    shorter than every budget); ``predicted_speedup`` (1.0 without a candidate), ``acceptance`` (α),
+    ``tokens_per_step`` (Ω) and ``t_target``, ``t_draft`` (mean over the γ draft steps), ``t_verify``
+    (seconds) are its figures. ``runner_ups``: the best γ of each other (draft, budget), best first,
+    at most 5. ``context``: the mean context used, tokens. ``draft_model``: the separate draft model's
+    name (None: self-speculation); ``draft_options``: view options away from their defaults;
+    ``draft_weights``: ``"full"``, ``"int8"``, ``"fp16"`` or ``"int4"``. ``model``, ``hardware``:
+    names (``"(calibrated)"``, ``" xN"`` for N-way tensor parallelism). ``reason``: one line.
     """
 
     speculate: bool
@@ -138,13 +108,7 @@ class Plan:
     draft_weights: str = "full"
 
     def config_kwargs(self) -> dict[str, Any]:
-        """``MagicDecConfig`` keyword arguments of the best candidate.
-
-        Raises
-        ------
-        ValueError
-            If there is no candidate at all.
-        """
+        """``MagicDecConfig`` keyword arguments of the best candidate (ValueError if there is none)."""
         if self.draft is None:
             raise ValueError(f"No speculative candidate for this workload: {self.reason}")
         return {"draft": self.draft, "draft_budget": self.draft_budget, "gamma": self.gamma,
@@ -189,20 +153,17 @@ class Plan:
 def _model_spec(model_or_config: Any, dtype: Any) -> ModelSpec:
     if isinstance(model_or_config, ModelSpec):
         return model_or_config if dtype is None else model_or_config.with_dtype(dtype)
-    # A model (has .config) or a config object/dict.
-    config = getattr(model_or_config, "config", model_or_config)
-    if dtype is None:
+    config = getattr(model_or_config, "config", model_or_config)  # a model or a config object/dict
+    if dtype is None and hasattr(model_or_config, "config"):
         # A loaded model's parameters may have been cast after its config was written.
-        param_dtype = getattr(model_or_config, "dtype", None) if hasattr(model_or_config, "config") else None
-        dtype = param_dtype
+        dtype = getattr(model_or_config, "dtype", None)
     return ModelSpec.from_config(config, dtype=dtype)
 
 
 @dataclass(frozen=True)
 class Workload:
-    """One generation's shape: ``batch_size`` rows of ``prompt_len`` prompt tokens, ``new_tokens``
-    generated per row. :attr:`context` is the mean context over the generation, where the search
-    evaluates its candidates."""
+    """``batch_size`` rows of ``prompt_len`` prompt tokens, ``new_tokens`` generated per row;
+    :attr:`context` is the mean context over the generation, where candidates are priced."""
 
     batch_size: int
     prompt_len: int
@@ -222,30 +183,14 @@ class Workload:
 class SearchSpace:
     """What :func:`search_plan` considers, checked and held as tuples.
 
-    Attributes
-    ----------
-    drafts : iterable of draft views
-        The views to consider (objects, e.g. ``[get_view("snapkv", window=16)]`` from
-        :mod:`hf_magicdec.views`; :func:`hf_magicdec.plan` takes names). Required for
-        self-speculation.
-    budgets, gammas : iterable of int
-        Draft budgets K and γ values.
-    draft_weights : iterable of str
-        Weights the self-draft may read: ``"full"`` and/or quantized formats (``"int8"``,
-        ``"fp16"``, ``"int4"``), each priced by its weight bytes (and the device's rate for the
-        format) with its own α (``"<view>@<format>"``).
-    draft_model : PreTrainedModel, config, dict or ModelSpec, optional
-        A separate small draft model: its candidates (each view in ``draft_model_drafts``
-        compressing *its* cache; ``"full"`` keeps all of it) compete with self-speculation.
-    draft_model_drafts : iterable of draft views
-        Views considered for the draft model's cache (required with ``draft_model``).
-    self_speculation : bool
-        Whether self-speculation candidates compete too.
-    schedule : bool
-        Price self-speculation candidates as adaptive γ runs them: γ chosen per step from the
-        context the generation has reached, γ = 0 (plain decoding) where speculation does not pay
-        (:mod:`.schedule`), the speedup integrated over the generation from ``prompt_len`` to
-        ``prompt_len + new_tokens``; a plan's ``gamma`` is then the best γ at the mean context.
+    ``drafts``: view objects (``get_view("snapkv", window=16)``; :func:`hf_magicdec.plan` takes
+    names), required for self-speculation. ``budgets`` (K, tokens), ``gammas``. ``draft_weights``:
+    ``"full"`` and/or ``"int8"``, ``"fp16"``, ``"int4"``, each priced by its bytes with its own α
+    (``"<view>@<format>"``). ``draft_model``: a separate draft model (model, config, dict or
+    ModelSpec) whose candidates, each of ``draft_model_drafts`` on *its* cache (``"full"`` keeps all
+    of it), compete with self-speculation (``self_speculation``: whether that competes). ``schedule``:
+    price self-speculation as adaptive γ runs it, γ per context (0 where it does not pay) over the
+    whole generation; the plan's ``gamma`` is then the best γ at the mean context.
     """
 
     drafts: Iterable[DraftLike] | None = None
@@ -263,9 +208,8 @@ class SearchSpace:
                              "hf_magicdec.views.get_view('snapkv')); hf_magicdec.plan takes names.")
         if self.draft_model_drafts is None and self.draft_model is not None:
             raise ValueError("draft_model_drafts: pass the draft views to consider for the draft model's cache.")
-        tuples = dict(drafts=_views("drafts", () if self.drafts is None else self.drafts),
-                      draft_model_drafts=_views("draft_model_drafts",
-                                                () if self.draft_model_drafts is None else self.draft_model_drafts),
+        tuples = dict(drafts=_views("drafts", self.drafts),
+                      draft_model_drafts=_views("draft_model_drafts", self.draft_model_drafts),
                       budgets=tuple(self.budgets), gammas=tuple(self.gammas), draft_weights=tuple(self.draft_weights))
         for name, value in tuples.items():
             object.__setattr__(self, name, value)
@@ -286,85 +230,35 @@ class Candidate(NamedTuple):
     view: Any
 
 
-_WORKLOAD_FIELDS = frozenset(f.name for f in dataclasses.fields(Workload))
-_SPACE_FIELDS = frozenset(f.name for f in dataclasses.fields(SearchSpace))
-
-
-def _parts(workload: Workload | None, space: SearchSpace | None, fields: dict) -> tuple[Workload, SearchSpace]:
-    """``workload`` and ``space``, or those built from their fields given as keywords."""
-    unknown = sorted(set(fields) - _WORKLOAD_FIELDS - _SPACE_FIELDS)
-    if unknown:
-        raise TypeError(f"search_plan() got unexpected keyword arguments {unknown}.")
-    for given, names, what in ((workload, _WORKLOAD_FIELDS, "workload"), (space, _SPACE_FIELDS, "space")):
-        if given is not None and names & set(fields):
-            raise TypeError(f"search_plan() takes {what}= or its fields {sorted(names & set(fields))}, not both.")
-    workload = workload or Workload(**{k: v for k, v in fields.items() if k in _WORKLOAD_FIELDS})
-    space = space or SearchSpace(**{k: v for k, v in fields.items() if k in _SPACE_FIELDS})
-    return workload, space
-
-
-def search_plan(model_or_config: Any, workload: Workload | None = None, hardware: str | HardwareSpec = "h100",
+def search_plan(model_or_config: Any, workload: Workload, hardware: str | HardwareSpec = "h100",
                 space: SearchSpace | None = None, *, acceptance: AcceptanceLike = None, calibration: Any = None,
-                min_speedup: float = 1.0, dtype: Any = None, tp: int = 1, **fields: Any) -> Plan:
-    """Choose draft view, budget and γ for a workload, or plain decoding.
+                min_speedup: float = 1.0, dtype: Any = None, tp: int = 1) -> Plan:
+    """Choose draft view, budget and γ for ``workload``, or plain decoding; returns a :class:`Plan`.
 
-    Parameters
-    ----------
-    model_or_config : PreTrainedModel, PretrainedConfig, dict or ModelSpec
-        What to model (only the shapes and dtype are read; no weights are touched).
-    workload : Workload
-        Rows, prompt tokens and new tokens per row.
-    hardware : str or HardwareSpec
-        Preset name (``"a100"``, ``"h100"``, ``"h200"``, ``"l40s"``, ``"cpu"``) or a spec.
-    space : SearchSpace
-        The views, budgets, γ values, draft weights and draft model to consider.
-    acceptance : None, float, Mapping or callable
-        α per candidate, see :func:`~hf_magicdec.planner.acceptance.resolve_acceptance`
-        (``None``: :func:`~hf_magicdec.planner.acceptance.default_acceptance`).
-    calibration : Calibration, optional
-        Fitted device (:func:`hf_magicdec.calibration.calibrate`); replaces ``hardware``'s rates
-        and overhead.
-    min_speedup : float
-        Speculate only when the best predicted speedup reaches this (1.0: any gain).
-    dtype : str or torch.dtype, optional
-        Overrides the config's dtype.
-    tp : int
-        Tensor-parallel degree.
-    **fields :
-        Instead of ``workload`` and ``space``: their fields as keywords (``batch_size=``,
-        ``prompt_len=``, ``new_tokens=``, ``drafts=``, ``budgets=``, ``gammas=``, ...).
-
-    Returns
-    -------
-    Plan
-
-    Raises
-    ------
-    ValueError
-        For non-positive sizes, an empty search space, unknown hardware or dtype.
-    TypeError
-        For drafts that are not view objects (names: use :func:`hf_magicdec.plan`).
-
-    Examples
-    --------
-    >>> views = [get_view("streamingllm"), get_view("snapkv")]                                     # doctest: +SKIP
-    >>> p = search_plan(llama_config, Workload(64, 32768, 256), "h100", SearchSpace(drafts=views))  # doctest: +SKIP
-    >>> p.speculate, MagicDecConfig.from_any(p)                                                     # doctest: +SKIP
+    ``model_or_config``: a model, its config (object or dict) or a :class:`ModelSpec`; only shapes and
+    dtype are read (``dtype`` overrides). ``hardware``: a preset (``"a100"``, ``"h100"``, ``"h200"``,
+    ``"l40s"``, ``"cpu"``) or a :class:`HardwareSpec`, ``tp`` of them in tensor parallel;
+    ``calibration`` (:func:`hf_magicdec.calibration.calibrate`) replaces its rates and overhead.
+    ``space``: the :class:`SearchSpace` (its ``drafts`` are required). ``acceptance``: α per candidate,
+    see :func:`~.acceptance.resolve_acceptance` (None: the prior). Speculate only when the best
+    predicted speedup reaches ``min_speedup``. Raises ValueError for bad sizes, an empty space or
+    unknown hardware or dtype, TypeError for drafts given by name (:func:`hf_magicdec.plan` takes names).
     """
-    workload, space = _parts(workload, space, fields)
+    space = SearchSpace() if space is None else space  # raises: the drafts are required
     spec = _model_spec(model_or_config, dtype)
     hw = get_hardware(hardware, tp)
     if calibration is not None:
         hw = calibration.hardware(hw)
-    batch, prompt_len, new_tokens = workload.batch_size, workload.prompt_len, workload.new_tokens
     s = int(round(workload.context))  # step functions take whole tokens
-    tt = target_step(spec, hw, batch, s).seconds
-    common = dict(batch_size=batch, prompt_len=prompt_len, new_tokens=new_tokens, context=workload.context,
-                  model=spec.name, hardware=hw.name + (f" x{hw.tp}" if hw.tp > 1 else ""), t_target=tt)
-    price = dict(batch=batch, context=s, acceptance=acceptance, t_target=tt, prompt_len=prompt_len)
+    tt = target_step(spec, hw, workload.batch_size, s).seconds
+    common = dict(batch_size=workload.batch_size, prompt_len=workload.prompt_len, new_tokens=workload.new_tokens,
+                  context=workload.context, model=spec.name, hardware=hw.name + (f" x{hw.tp}" if hw.tp > 1 else ""),
+                  t_target=tt)
+    price = dict(batch=workload.batch_size, context=s, acceptance=acceptance, t_target=tt,
+                 prompt_len=workload.prompt_len)
     # A budget must compress something: below the prompt, or, when γ follows the context, below
     # where the generation ends (the view holds everything until the context outgrows it).
-    limit = prompt_len + new_tokens if space.schedule else prompt_len
+    limit = workload.prompt_len + workload.new_tokens if space.schedule else workload.prompt_len
     candidates = [Candidate(estimate(spec, hw, draft=d, budget=k, gamma=g, draft_weights=w, **price), d)
                   for d in space.drafts if space.self_speculation and d.name != "full"
                   for k in space.budgets if k < limit for g in space.gammas if d.fits(k, g)
@@ -373,22 +267,20 @@ def search_plan(model_or_config: Any, workload: Workload | None = None, hardware
     if space.schedule:
         candidates, upside = _scheduled(candidates, spec, hw, workload, acceptance)
     if space.draft_model is not None:
-        candidates += _draft_model_candidates(spec, hw, _model_spec(space.draft_model, dtype), space, prompt_len,
-                                              price)
-    if not candidates:
-        reason = (f"no candidate: every budget in {space.budgets} is >= "
-                  f"{'prompt + new tokens' if space.schedule else 'prompt_len'}={limit} "
-                  "(nothing to compress) or invalid for the given gammas")
-        return Plan(speculate=False, draft=None, draft_budget=None, gamma=None, predicted_speedup=1.0,
-                    acceptance=None, tokens_per_step=None, t_draft=None, t_verify=None, runner_ups=(), reason=reason,
-                    **common)
-    return _decide(candidates, min_speedup, common, upside)
+        candidates += _draft_model_candidates(spec, hw, _model_spec(space.draft_model, dtype), space,
+                                              workload.prompt_len, price)
+    if candidates:
+        return _decide(candidates, min_speedup, common, upside)
+    reason = (f"no candidate: every budget in {space.budgets} is >= "
+              f"{'prompt + new tokens' if space.schedule else 'prompt_len'}={limit} "
+              "(nothing to compress) or invalid for the given gammas")
+    return Plan(speculate=False, draft=None, draft_budget=None, gamma=None, predicted_speedup=1.0, acceptance=None,
+                tokens_per_step=None, t_draft=None, t_verify=None, runner_ups=(), reason=reason, **common)
 
 
 def _draft_model_candidates(spec: ModelSpec, hw: HardwareSpec, dspec: ModelSpec, space: SearchSpace,
                             prompt_len: int, price: dict) -> list[Candidate]:
-    """Every draft-model candidate: each view compressing the draft model's cache at every budget
-    below the prompt (``full`` keeps all of it: its "budget" is the context)."""
+    """Each view on the draft model's cache at every budget below the prompt (``full``: the context)."""
     out = []
     for d in space.draft_model_drafts:
         view_budgets = (price["context"],) if d.name == "full" else tuple(k for k in space.budgets if k < prompt_len)
@@ -399,9 +291,8 @@ def _draft_model_candidates(spec: ModelSpec, hw: HardwareSpec, dspec: ModelSpec,
 
 def _scheduled(candidates: list[Candidate], spec: ModelSpec, hw: HardwareSpec, workload: Workload,
                acceptance: AcceptanceLike) -> tuple[list[Candidate], dict[tuple, float]]:
-    """Per (view, budget, weights), the best γ's estimate at the mean context, its speedup replaced
-    by the schedule's over the whole generation (:func:`.schedule.scheduled_speedup`); and per
-    (view, budget, weights) the schedule's speedup at :data:`UPSIDE` more acceptance (the tie-break)."""
+    """Per (view, budget, weights): the best γ's estimate with the schedule's speedup over the
+    generation, and (the tie-break) the schedule's speedup at :data:`UPSIDE` more acceptance."""
     groups: dict[tuple, list[Candidate]] = {}
     for c in candidates:
         groups.setdefault((c.estimate.draft, c.estimate.draft_budget, c.estimate.draft_weights), []).append(c)
@@ -427,9 +318,8 @@ def _scheduled(candidates: list[Candidate], spec: ModelSpec, hw: HardwareSpec, w
 
 
 def _decide(candidates: list[Candidate], min_speedup: float, common: dict, upside: dict[tuple, float]) -> Plan:
-    """The plan of the best candidate, with the best γ of each other (draft, budget) as runner-ups
-    (alternatives rather than the winner's neighbouring γs). Scheduled candidates within
-    :data:`NEAR_TIE` of the best are ranked by their ``upside`` (keyed by view, budget, weights)."""
+    """The best candidate's plan, the best γ of each other (draft, budget) as runner-ups; scheduled
+    candidates within :data:`NEAR_TIE` of the best are ranked by their ``upside``."""
     candidates.sort(key=lambda c: c.estimate.speedup, reverse=True)
     top = candidates[0].estimate.speedup
 
@@ -440,13 +330,10 @@ def _decide(candidates: list[Candidate], min_speedup: float, common: dict, upsid
 
     if upside:
         candidates.sort(key=tied_upside, reverse=True)  # stable: the rest keep their order
-    best = candidates[0].estimate
-    seen = {(best.draft, best.draft_budget, best.draft_model, best.draft_weights)}
-    runner_ups = []
+    best, runner_ups = candidates[0].estimate, {}
     for e in (c.estimate for c in candidates[1:]):
-        if (e.draft, e.draft_budget, e.draft_model, e.draft_weights) not in seen:
-            seen.add((e.draft, e.draft_budget, e.draft_model, e.draft_weights))
-            runner_ups.append(e)
+        runner_ups.setdefault((e.draft, e.draft_budget, e.draft_model, e.draft_weights), e)
+    runner_ups.pop((best.draft, best.draft_budget, best.draft_model, best.draft_weights), None)
     speculate = best.speedup >= min_speedup
     if speculate:
         reason = f"predicted {best.speedup:.2f}x >= {min_speedup:g}x"
@@ -455,6 +342,6 @@ def _decide(candidates: list[Candidate], min_speedup: float, common: dict, upsid
                   "costs more than the accepted tokens save at this batch and context")
     return Plan(speculate=speculate, draft=best.draft, draft_budget=best.draft_budget, gamma=best.gamma,
                 predicted_speedup=best.speedup, acceptance=best.acceptance, tokens_per_step=best.omega,
-                t_draft=best.t_draft, t_verify=best.t_verify, runner_ups=tuple(runner_ups[:_RUNNER_UPS]),
+                t_draft=best.t_draft, t_verify=best.t_verify, runner_ups=tuple(runner_ups.values())[:_RUNNER_UPS],
                 reason=reason, draft_model=best.draft_model, draft_options=_options(candidates[0].view),
                 draft_weights=best.draft_weights, **common)

@@ -1,13 +1,5 @@
-"""Expected tokens per verification Ω(γ, α), predicted speedup, and the critical context length.
-
-MagicDec §3::
-
-    Ω(γ, α) = (1 − α^(γ+1)) / (1 − α)                       (γ + 1 when α = 1)
-    speedup = Ω(γ, α) / (γ·T_D/T_T + T_V/T_T)
-
-where ``γ·T_D`` is the time of the γ draft steps (each attends to a slightly longer view, so
-we sum them instead of multiplying one by γ).
-"""
+"""Ω(γ, α) = (1 − α^(γ+1)) / (1 − α), the speedup Ω / (γ·T_D/T_T + T_V/T_T) (MagicDec §3; the γ
+draft steps are summed, each attending to a slightly longer view) and the critical context length."""
 
 from __future__ import annotations
 
@@ -15,7 +7,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, Iterable
 
-from ._checks import check_int
+from ..checks import check_int
 from .acceptance import DRAFT_MODEL_PREFIX, WEIGHTS_SEPARATOR, AcceptanceLike, resolve_acceptance
 from .hardware import HardwareSpec
 from .modelspec import ModelSpec
@@ -26,30 +18,8 @@ __all__ = ["omega", "speedup", "best_gamma_of", "Estimate", "estimate", "critica
 
 
 def omega(gamma: int, alpha: float) -> float:
-    """Expected tokens committed per verification step, Ω(γ, α).
-
-    Parameters
-    ----------
-    gamma : int
-        Draft tokens per step γ ≥ 0.
-    alpha : float
-        Per-token acceptance α in [0, 1].
-
-    Returns
-    -------
-    float
-        ``(1 − α^(γ+1)) / (1 − α)``, or ``γ + 1`` when α = 1; between 1 and γ + 1.
-
-    Raises
-    ------
-    ValueError
-        If γ < 0 or α outside [0, 1].
-
-    Examples
-    --------
-    >>> omega(3, 0.5)
-    1.875
-    """
+    """Expected tokens committed per verification, Ω(γ, α) = (1 − α^(γ+1)) / (1 − α) (γ + 1 at α = 1),
+    for γ ≥ 0 draft tokens and acceptance α in [0, 1] (else ValueError). ``omega(3, 0.5) == 1.875``."""
     check_int("gamma", gamma, 0)
     if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not 0.0 <= alpha <= 1.0:
         raise ValueError(f"alpha must be in [0, 1], got {alpha!r}.")
@@ -59,29 +29,8 @@ def omega(gamma: int, alpha: float) -> float:
 
 
 def speedup(gamma: int, alpha: float, t_target: float, t_draft_total: float, t_verify: float) -> float:
-    """Predicted decode speedup of speculation over plain decoding.
-
-    Parameters
-    ----------
-    gamma, alpha :
-        Draft length and per-token acceptance.
-    t_target : float
-        T_T, seconds per plain decode step.
-    t_draft_total : float
-        Seconds of all γ draft steps of one speculation step (γ·T_D).
-    t_verify : float
-        T_V, seconds per verification.
-
-    Returns
-    -------
-    float
-        ``Ω(γ, α) · T_T / (t_draft_total + T_V)``.
-
-    Raises
-    ------
-    ValueError
-        If a time is not positive.
-    """
+    """Predicted speedup over plain decoding, ``Ω(γ, α) · T_T / (t_draft_total + T_V)``; times in seconds:
+    ``t_target`` a plain step, ``t_draft_total`` all γ draft steps (>= 0), ``t_verify`` a verification."""
     for name, value in (("t_target", t_target), ("t_verify", t_verify)):
         if not value > 0:
             raise ValueError(f"{name} must be > 0 seconds, got {value!r}.")
@@ -91,10 +40,8 @@ def speedup(gamma: int, alpha: float, t_target: float, t_draft_total: float, t_v
 
 
 def best_gamma_of(speedups: dict[int, float], off_below: float | None = None) -> tuple[int, float]:
-    """``(γ, speedup)`` of the largest predicted speedup in ``{γ: speedup}`` (the first such γ on a
-    tie); ``(0, 1.0)``, plain decoding, where that is below ``off_below`` (None: never). The one
-    best-γ choice: the step-time schedule's (:func:`.schedule.best_gamma`) and
-    :func:`critical_length`'s."""
+    """``(γ, speedup)`` of the largest speedup in ``{γ: speedup}`` (first on a tie); ``(0, 1.0)``
+    (plain decoding) where that is below ``off_below`` (None: never)."""
     gamma = max(speedups, key=speedups.get)
     if off_below is not None and speedups[gamma] < off_below:
         return 0, 1.0
@@ -103,27 +50,8 @@ def best_gamma_of(speedups: dict[int, float], off_below: float | None = None) ->
 
 @dataclass(frozen=True)
 class Estimate:
-    """One candidate (draft view, budget, γ) evaluated at one (batch, context).
-
-    Attributes
-    ----------
-    draft : str
-        The view's name.
-    draft_budget : int
-    gamma : int
-    acceptance : float
-        α used.
-    omega : float
-        Ω(γ, α), tokens per verification.
-    t_target : float
-        T_T, seconds.
-    t_draft : float
-        Mean T_D over the γ draft steps, seconds.
-    t_verify : float
-        T_V, seconds.
-    speedup : float
-        Predicted speedup.
-    """
+    """One candidate (view name, budget, γ) priced at one (batch, context): α, Ω (tokens per
+    verification), T_T, mean T_D over the γ draft steps and T_V (seconds), predicted speedup."""
 
     draft: str
     draft_budget: int
@@ -142,40 +70,16 @@ def estimate(model: ModelSpec, hardware: HardwareSpec, *, batch: int, context: i
              gamma: int, acceptance: AcceptanceLike = None, t_target: float | None = None,
              draft_model: ModelSpec | None = None, draft_weights: str = "full",
              prompt_len: float | None = None) -> Estimate:
-    """Predict the speedup of one candidate at one operating point.
+    """The :class:`Estimate` of one candidate at ``batch`` rows and ``context`` tokens (S; the search
+    uses the mean over the generation).
 
-    Parameters
-    ----------
-    model, hardware :
-        What runs where.
-    batch : int
-        Rows B.
-    context : int
-        Context S, tokens (use the mean over the generation).
-    draft : draft view or str
-        The draft view (:mod:`hf_magicdec.views`, read duck-typed: ``name``, and ``query_aware`` /
-        ``page_size`` for the selection cost of query-aware views) or a name (a static view): α
-        is looked up by its name.
-    budget : int
-        Draft budget K, tokens.
-    gamma : int
-        γ.
-    acceptance : see :func:`~hf_magicdec.planner.acceptance.resolve_acceptance`
-    t_target : float, optional
-        Precomputed T_T (it does not depend on the candidate).
-    draft_model : ModelSpec, optional
-        A separate draft model: its forwards are the draft steps (its weights plus ``budget``
-        tokens of its own KV), and α is looked up as ``"model:<draft>"``.
-    draft_weights : str
-        The self-draft's linear layers: ``"full"``, or quantized copies (``"int8"``, ``"fp16"``, ``"int4"``):
-        the draft steps read those bytes, and α is looked up as ``"<draft>@<format>"``.
-    prompt_len : float, optional
-        Tokens of ``context`` that were the prompt, for the prior α
-        (:func:`~hf_magicdec.planner.acceptance.default_acceptance`; None: all of it).
-
-    Returns
-    -------
-    Estimate
+    ``draft``: a view object (read duck-typed: ``name``, ``query_aware``/``page_size``/``reselects``
+    for selection costs) or a name (a static view); α comes from ``acceptance``
+    (:func:`~.acceptance.resolve_acceptance`) under its name, ``"model:<view>"`` with a separate
+    ``draft_model`` spec (whose forwards are the draft steps) or ``"<view>@<format>"`` with quantized
+    ``draft_weights`` (``"int8"``, ``"fp16"``, ``"int4"``: the draft reads those bytes). ``budget``: K,
+    tokens. ``t_target``: a precomputed T_T. ``prompt_len``: tokens of the context that were the prompt
+    (for the prior; None: all of it).
     """
     view_name = getattr(draft, "name", draft)
     name = view_name if draft_model is None else DRAFT_MODEL_PREFIX + view_name
@@ -202,34 +106,10 @@ def estimate(model: ModelSpec, hardware: HardwareSpec, *, batch: int, context: i
 def critical_length(model: ModelSpec, hardware: HardwareSpec, batch: int, *, draft: Any = "streamingllm",
                     budget: int = 512, gammas: Iterable[int] = range(1, 9), acceptance: AcceptanceLike = None,
                     threshold: float = 1.0, max_context: int = 1 << 20) -> float:
-    """Shortest context above which speculation pays at this batch size.
-
-    Scans contexts from ``budget + 1`` upwards in steps of ×√2, then bisects the first crossing
-    of ``threshold`` to within 1 %. Assumes the best speedup over γ rises with context, which
-    holds while T_T is growing faster than T_D (it does: the draft's KV is fixed).
-
-    Parameters
-    ----------
-    model, hardware, batch :
-        Operating point.
-    draft, budget, gammas, acceptance :
-        Candidates (the best γ at each context counts); ``draft`` as in :func:`estimate`.
-    threshold : float
-        Speedup that counts as "pays" (1.0: break-even).
-    max_context : int
-        Give up above this many tokens.
-
-    Returns
-    -------
-    float
-        The context (tokens, as a float) or ``math.inf`` when speculation never pays up to
-        ``max_context``.
-
-    Raises
-    ------
-    ValueError
-        If ``gammas`` is empty.
-    """
+    """Shortest context (tokens, a float) from which the best γ's speedup reaches ``threshold`` at
+    ``batch`` rows, ``math.inf`` if not up to ``max_context``. Scans from ``budget + 1`` in steps of
+    ×√2 and bisects the first crossing to 1 %, assuming the speedup rises with context (the draft's KV
+    is fixed). ``draft``, ``acceptance`` as in :func:`estimate`; ``gammas`` must not be empty."""
     gammas = tuple(gammas)
     if not gammas:
         raise ValueError("gammas must not be empty.")

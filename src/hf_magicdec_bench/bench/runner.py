@@ -19,7 +19,7 @@ import hf_magicdec
 import torch
 from hf_magicdec import MagicDecConfig, get_view, shared_prefill
 from hf_magicdec.defaults import AUTO, DEFAULT_BUDGET, DEFAULT_DRAFT
-from hf_magicdec.planner import ModelSpec, search_plan
+from hf_magicdec.planner import ModelSpec, SearchSpace, Workload, search_plan
 from tqdm.auto import tqdm
 
 from .. import data, models
@@ -355,9 +355,9 @@ def _predict(model, result: Result) -> None:
     explicit = result.config.view if result.config is not None else None
     view = explicit if explicit is not None and getattr(explicit, "name", s.draft) == s.draft else get_view(s.draft)
     hardware = hf_magicdec.device_model(model, result.config.hardware if result.config is not None else None)
-    p = search_plan(model, batch_size=result.batch, prompt_len=result.context, new_tokens=result.new_tokens,
-                    hardware=hardware, drafts=[view], budgets=(s.draft_budget,), gammas=(gamma,),
-                    acceptance=min(s.acceptance_rate, 0.999), draft_weights=(s.draft_weights,))
+    space = SearchSpace(drafts=[view], budgets=(s.draft_budget,), gammas=(gamma,), draft_weights=(s.draft_weights,))
+    p = search_plan(model, Workload(result.batch, result.context, result.new_tokens), hardware, space,
+                    acceptance=min(s.acceptance_rate, 0.999))
     if p.draft is None:
         raise ValueError(p.reason)
     result.predicted_speedup = p.predicted_speedup
