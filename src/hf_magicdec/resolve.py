@@ -19,7 +19,7 @@ from transformers import GenerationConfig
 
 from .calibration.store import load_calibration
 from .config import AUTO, DEFAULT_BUDGET, DEFAULT_GAMMA, MagicDecConfig
-from .engine.draft_weights import feasible_formats, supported_formats
+from .engine.draft_weights import feasible_formats, has_quantized_draft, source_bytes, supported_formats
 from .engine.steps import compile_config_for
 from .parallel.lockstep import tp_size
 from .planner import default_acceptance, get_hardware, search_plan
@@ -217,7 +217,23 @@ def search_space(config: MagicDecConfig, target: Target | None, draft_model, cap
                      draft_model_drafts=((config.view,) if config.view is not None else
                                          tuple(own.get(d) or get_view(d) for d in DEFAULT_DRAFT_MODEL_DRAFTS)))
     return dict(workload=Workload(batch, max(prompt_len, 1), max(new_tokens, 1)), hardware=hardware,
-                acceptance=prior_or_observed, space=SearchSpace(**space))
+                acceptance=prior_or_observed, space=SearchSpace(**space),
+                setup_seconds=_build_seconds(target, space["draft_weights"], hardware))
+
+
+def _build_seconds(target: Target | None, formats, hardware) -> dict[str, float]:
+    """Seconds this call would spend building each quantized draft the model does not have yet
+    (at the device's measured rate per weight byte; 0 for one already built)."""
+    if target is None:
+        return {}
+    model = target.model
+    out = {}
+    for fmt in formats:
+        if fmt == "full" or (model is not None and has_quantized_draft(model, fmt)):
+            continue
+        nbytes = source_bytes(model) if model is not None else target.spec.params * target.spec.weight_bytes
+        out[fmt] = nbytes * hardware.format_build.get(fmt, 0.0)
+    return out
 
 
 def _weight_candidates(config: MagicDecConfig, target: Target | None, draft_model, captured: bool) -> tuple[str, ...]:

@@ -229,21 +229,28 @@ def test_generate_with_auto_weights_remembers_the_quantized_acceptance():
     assert hf_magicdec.planner.observed_acceptance(model, "snapkv", 8) is None
 
 
-def test_calibration_fits_the_quantized_kernels_rate():
-    """fit_quantized recovers the rate that generated the quantized draft timings; the calibrated
-    hardware then carries it, and a saved calibration keeps it."""
+@pytest.mark.parametrize("per_layer", [0.0, 1e-3, 3e-3])
+def test_calibration_fits_the_quantized_kernels_rate_and_per_layer_time(per_layer):
+    """fit_quantized recovers the rate and the per-layer host time that generated the quantized
+    draft timings; the calibrated hardware then carries both, and a saved calibration keeps them."""
     from hf_magicdec.calibration import Calibration, Measurement, fit_quantized
 
     spec = ModelSpec.from_config(LLAMA_8B)
-    hw = get_hardware("cpu").replace(peak_flops={"float32": 100e9}, format_flops={"int8": 3e11})
+    hw = get_hardware("cpu").replace(peak_flops={"float32": 100e9}, format_flops={"int8": 3e11},
+                                      format_overhead={"int8": per_layer})
     rows = [Measurement("draft", b, 1, k + 1, 1, 0.0, "int8") for b in (1, 8, 32) for k in (128, 512)]
     rows = [Measurement(**{**m.__dict__, "seconds": m.predict(spec, hw)}) for m in rows]
-    rate = fit_quantized(spec, rows, get_hardware("cpu"))["int8"]
+    rate, fitted_per_layer = fit_quantized(spec, rows, get_hardware("cpu"))["int8"]
     assert rate == pytest.approx(3e11, rel=0.05)
+    assert fitted_per_layer == pytest.approx(per_layer, rel=0.1, abs=1e-4)
     cal = Calibration(model="m", spec=spec, device="cpu", dtype="float32", bandwidth=20e9, flops=100e9,
                       overhead=1e-3, overlap=False, measurements=tuple(rows), rel_rms_error=0.0,
-                      quantized_flops={"int8": rate})
-    assert Calibration.from_dict(cal.to_dict()).hardware().format_flops["int8"] == pytest.approx(rate)
+                      quantized_flops={"int8": rate}, quantized_overhead={"int8": fitted_per_layer},
+                      quantized_build={"int8": 4e-9})
+    calibrated = Calibration.from_dict(cal.to_dict()).hardware()
+    assert calibrated.format_flops["int8"] == pytest.approx(rate)
+    assert calibrated.format_overhead["int8"] == pytest.approx(fitted_per_layer)
+    assert calibrated.format_build["int8"] == 4e-9
 
 
 def test_the_fp16_weight_rate_is_fitted_and_read_apart_from_the_float16_dtype():
@@ -257,7 +264,7 @@ def test_the_fp16_weight_rate_is_fitted_and_read_apart_from_the_float16_dtype():
     hw = get_hardware("cpu").replace(format_flops={"fp16": 4e10})
     rows = [Measurement("draft", b, 1, k + 1, 1, 0.0, "fp16") for b in (1, 8, 32) for k in (128, 512)]
     rows = [Measurement(**{**m.__dict__, "seconds": m.predict(spec, hw)}) for m in rows]
-    rate = fit_quantized(spec, rows, get_hardware("cpu"))["fp16"]
+    rate, _ = fit_quantized(spec, rows, get_hardware("cpu"))["fp16"]
     assert rate == pytest.approx(4e10, rel=0.05)
     cal = Calibration(model="m", spec=spec, device="cpu", dtype="float32", bandwidth=20e9, flops=100e9,
                       overhead=1e-3, overlap=False, measurements=tuple(rows), rel_rms_error=0.0,

@@ -152,19 +152,28 @@ def fit(model: ModelSpec, measurements: Sequence[Measurement], base: HardwareSpe
     return result
 
 
-def fit_quantized(model: ModelSpec, measurements: Sequence[Measurement], hardware: HardwareSpec) -> dict[str, float]:
-    """``{format: FLOP/s}`` of quantized linear layers, one rate per format among ``measurements`` on a
-    log grid (0.1 GFLOP/s to 1 PFLOP/s, refined) with ``hardware``'s other rates fixed (empty if none)."""
-    out: dict[str, float] = {}
+def fit_quantized(model: ModelSpec, measurements: Sequence[Measurement],
+                  hardware: HardwareSpec) -> dict[str, tuple[float, float]]:
+    """``{format: (FLOP/s, host seconds per layer)}`` of quantized linear layers among ``measurements``,
+    ``hardware``'s other rates fixed (empty if none): the rate on a log grid (0.1 GFLOP/s to 1 PFLOP/s,
+    refined), each with the non-negative per-layer time (dynamic quantization's per-call work) that
+    minimises the relative RMS error, in closed form."""
+    out: dict[str, tuple[float, float]] = {}
     for fmt in sorted({m.weights for m in measurements} - {"full"}):
         timed = [m for m in measurements if m.weights == fmt]
 
-        def error(rate: float) -> float:
-            hw = hardware.replace(format_flops={**hardware.format_flops, fmt: rate})
-            return _rms((m.predict(model, hw) - m.seconds) / m.seconds for m in timed)
+        def fitted(rate: float) -> tuple[float, float]:
+            """``(relative RMS error, seconds per layer)`` at ``rate``."""
+            hw = hardware.replace(format_flops={**hardware.format_flops, fmt: rate},
+                                  format_overhead={**hardware.format_overhead, fmt: 0.0})
+            misses = [(m.predict(model, hw) - m.seconds) / m.seconds for m in timed]
+            scales = [model.layers / m.seconds for m in timed]
+            # min over o >= 0 of sum((miss + o * scale)^2)
+            per_layer = max(0.0, -sum(a * b for a, b in zip(misses, scales)) / sum(b * b for b in scales))
+            return _rms(a + per_layer * b for a, b in zip(misses, scales)), per_layer
 
         grid = [10 ** (8 + i / 8) for i in range(57)]  # 1e8 … 1e15
-        best = min(grid, key=error)
-        fine = [best * 10 ** (i / 64) for i in range(-8, 9)]
-        out[fmt] = min(fine, key=error)
+        best = min(grid, key=lambda rate: fitted(rate)[0])
+        rate = min((best * 10 ** (i / 64) for i in range(-8, 9)), key=lambda r: fitted(r)[0])
+        out[fmt] = (rate, fitted(rate)[1])
     return out

@@ -3,6 +3,7 @@ to them and cache the result as JSON."""
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import os
 import platform
@@ -13,8 +14,8 @@ from typing import Any, Iterable
 import torch
 import transformers
 
-from ..engine.draft_weights import feasible_formats
 from ..checks import check_int
+from ..engine.draft_weights import feasible_formats, quantized_draft, source_bytes
 from ..planner.hardware import HardwareSpec
 from ..planner.modelspec import ModelSpec
 from .fit import fit, fit_quantized
@@ -66,7 +67,8 @@ def calibrate(model: Any, *, name: str | None = None, points: Iterable[tuple[int
     (1 + repeats)`` forwards (budgets >= the context are skipped there), the whole list measured
     ``passes`` times, each forward keeping its best pass; ``statistic``: ``"min"`` or ``"median"`` of
     the repeats. ``base``: the preset the fit starts from; ``form``: see :func:`.fit.fit`.
-    ``draft_weights``: quantized draft formats timed too (default: those the device and model run).
+    ``draft_weights``: quantized draft formats timed too (default: those the device and model run), their
+    rates, per-layer host time and build time fitted (``Calibration.quantized_*``).
     ``name`` names the cache file (default ``_name_or_path``); ``cache`` reads and writes it under
     ``cache_dir``, ``force`` measures again. ``progress`` gets one line per point.
     """
@@ -95,6 +97,8 @@ def calibrate(model: Any, *, name: str | None = None, points: Iterable[tuple[int
         for batch, context in points:
             _measure_point(model, batch, context, gammas, budgets, repeats, statistic, formats, best, progress)
     result = _fitted(name, spec, device, list(best.values()), base, form, t0, busy_before)
+    built = {fmt: quantized_draft(model, fmt).build_seconds / source_bytes(model) for fmt in formats}
+    result = dataclasses.replace(result, quantized_build=built)
     if cache:
         result.save(path)
     return result
@@ -120,7 +124,8 @@ def _fitted(name: str, spec: ModelSpec, device: str, measurements: list[Measurem
         model=name, spec=spec, device=device, dtype=spec.dtype, bandwidth=fitted.bandwidth, flops=fitted.flops,
         overhead=fitted.overhead, overlap=fitted.overlap, measurements=tuple(measurements),
         rel_rms_error=fitted.rel_rms_error, outliers=tuple(measurements.index(full[i]) for i in fitted.outliers),
-        wall_seconds=time.perf_counter() - t0, quantized_flops=quantized,
+        wall_seconds=time.perf_counter() - t0, quantized_flops={f: rate for f, (rate, _) in quantized.items()},
+        quantized_overhead={f: per_layer for f, (_, per_layer) in quantized.items()},
         created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         versions={**_versions(), "cpu_busy_before": f"{busy_before:.2f}"},
     )

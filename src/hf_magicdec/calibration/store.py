@@ -26,7 +26,9 @@ __all__ = ["Calibration", "Measurement", "StepTimes", "Fit", "cache_root", "cali
 
 # 2: quantized_flops["fp16"] is the fp16-weight linear rate (format 1 fitted it into the float16
 # dtype peak, where the planner never read it for fp16 weights: those files hold no fitted rate).
-_FORMAT = 2
+# 3: quantized_overhead (a quantized draft's per-layer host time) fitted beside quantized_flops; a
+# format-2 file's rates were fitted without it and overrate a quantized draft at small batches.
+_FORMAT = 3
 
 
 @dataclass(frozen=True)
@@ -84,8 +86,10 @@ class Calibration:
     """Fitted effective rates of ``model`` (shapes ``spec``) on ``device`` (:func:`device_key`) in ``dtype``:
     ``bandwidth`` bytes/s, ``flops`` FLOP/s, ``overhead`` seconds per forward, ``overlap`` (roofline
     ``max`` or ``compute + memory`` fitted better), ``quantized_flops`` {format: FLOP/s} of quantized
-    draft linears (empty if none timed). Also the ``measurements``, their ``rel_rms_error`` and the
-    ``outliers`` left out (indices), ``wall_seconds`` of the run, ``created`` (ISO) and ``versions``."""
+    draft linears (empty if none timed), ``quantized_overhead`` {format: host seconds per layer} and
+    ``quantized_build`` {format: seconds per weight byte to build the quantized draft}. Also the
+    ``measurements``, their ``rel_rms_error`` and the ``outliers`` left out (indices), ``wall_seconds``
+    of the run, ``created`` (ISO) and ``versions``."""
 
     model: str
     spec: ModelSpec
@@ -102,6 +106,8 @@ class Calibration:
     created: str = ""
     versions: Mapping[str, str] = field(default_factory=dict, hash=False)
     quantized_flops: Mapping[str, float] = field(default_factory=dict, hash=False)
+    quantized_overhead: Mapping[str, float] = field(default_factory=dict, hash=False)
+    quantized_build: Mapping[str, float] = field(default_factory=dict, hash=False)
 
     def __post_init__(self) -> None:
         check_number("bandwidth", self.bandwidth)
@@ -117,7 +123,9 @@ class Calibration:
         hardware = hardware.replace(fused_mass=not self.device.startswith("cpu"))
         if not self.quantized_flops:
             return hardware
-        return hardware.replace(format_flops={**hardware.format_flops, **self.quantized_flops})
+        return hardware.replace(format_flops={**hardware.format_flops, **self.quantized_flops},
+                                format_overhead={**hardware.format_overhead, **self.quantized_overhead},
+                                format_build={**hardware.format_build, **self.quantized_build})
 
     def predictions(self) -> list[tuple[Measurement, float]]:
         """``(measurement, predicted seconds)`` for every measured forward."""
@@ -150,6 +158,8 @@ class Calibration:
         kwargs["spec"] = ModelSpec(**data["spec"])
         kwargs["measurements"] = tuple(Measurement(**m) for m in data["measurements"])
         kwargs["quantized_flops"] = dict(data.get("quantized_flops", {}))
+        kwargs["quantized_overhead"] = dict(data.get("quantized_overhead", {}))
+        kwargs["quantized_build"] = dict(data.get("quantized_build", {}))
         kwargs["outliers"] = tuple(data.get("outliers", ()))
         return cls(**kwargs)
 

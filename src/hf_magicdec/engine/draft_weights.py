@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import copy
 import importlib.util
+import time
 import warnings
 import weakref
 from dataclasses import dataclass
@@ -51,7 +52,7 @@ from torch import nn
 from ..defaults import AUTO, QUANTIZED_FORMATS
 
 __all__ = ["QUANTIZED_FORMATS", "QuantizedDraft", "check_draft_weights", "feasible_formats", "has_quantized_draft",
-           "quantized_draft", "supported_formats"]
+           "quantized_draft", "source_bytes", "supported_formats"]
 
 # model -> {format: QuantizedDraft}. Weak keys: the quantized draft holds no reference to the model
 # object itself (only to its parameters), so the entry and the quantized copy go when the model does.
@@ -69,6 +70,7 @@ class QuantizedDraft:
     nbytes : bytes of the quantized copies (the extra memory the quantized draft costs).
     linears : how many linear layers were replaced.
     source : ``(id, version)`` of every replaced weight, to notice updates to the model.
+    build_seconds : wall time it took to make, seconds.
     """
 
     module: nn.Module
@@ -76,6 +78,7 @@ class QuantizedDraft:
     nbytes: int
     linears: int
     source: tuple
+    build_seconds: float = 0.0
 
 
 def supported_formats(device: torch.device) -> tuple[str, ...]:
@@ -217,11 +220,17 @@ def _make_quantized_draft(model, fmt: str, source: tuple) -> QuantizedDraft:
                           for name, child in module._modules.items()}
         return clone
 
+    start = time.perf_counter()
     with torch.no_grad():
         module = copy_of(model)
     module.eval()  # the clones' own flags: the model's stay as the user set them
     nbytes = sum(_quantized_bytes(m) for m in made)
-    return QuantizedDraft(module, fmt, nbytes, len(made), source)
+    return QuantizedDraft(module, fmt, nbytes, len(made), source, time.perf_counter() - start)
+
+
+def source_bytes(model) -> int:
+    """Bytes of the weights a quantized draft of ``model`` quantizes (what its build time scales with)."""
+    return sum(_tensor_bytes(m.weight) for m in _quantized_linears(model))
 
 
 class _DynamicInt8Linear(nn.Module):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import statistics
+
 from dataclasses import dataclass, field
 
 from transformers.generation.utils import GenerateDecoderOnlyOutput
@@ -152,7 +154,8 @@ class SpeculationStats:
         if not plain or not speculative or not row_steps:
             return None
         tokens_per_step = sum(n + 1 for n, _ in row_steps) / len(row_steps)  # per row
-        return (sum(plain) / len(plain)) / (speculative / (len(self.step_seconds) - len(plain))) * tokens_per_step
+        # The median plain step: there are few of them, and one slowed by other work would double a mean.
+        return statistics.median(plain) / (speculative / (len(self.step_seconds) - len(plain))) * tokens_per_step
 
     def schedule(self) -> list[tuple[int, int, int]]:
         """γ over the generation as runs ``(first step, last step, γ)`` (1-based, inclusive):

@@ -3,7 +3,9 @@ and, for a schedule, from the live batch and the context the generation has reac
 
 from __future__ import annotations
 
-from .schedule import StepModel, best_gamma
+import statistics
+
+from .schedule import PLAIN_PROBE_STEPS, StepModel, best_gamma
 
 __all__ = ["CostProbe", "GammaController", "OFF_REASONS"]
 
@@ -14,9 +16,9 @@ PRIOR_WEIGHT = 32
 #: off, γ is chosen from the acceptance observed blended with an optimistic PROBE_ALPHA instead.
 PROBE_ALPHA = 0.95
 PROBE_TOKENS = 4 * PRIOR_WEIGHT
-#: A schedule given step times decodes its first PLAIN_PROBE_STEPS steps plainly, then scales the
-#: speculative cost by what it measured (:class:`CostProbe`), at COST_PRIOR_STEPS steps' confidence.
-PLAIN_PROBE_STEPS = 3
+#: A schedule given step times decodes its first PLAIN_PROBE_STEPS steps plainly (:mod:`.schedule`),
+#: then scales the speculative cost by what it measured (:class:`CostProbe`), at COST_PRIOR_STEPS
+#: steps' confidence.
 COST_PRIOR_STEPS = 2
 #: Off on evidence, a schedule speculates again for REPROBE_STEPS steps after REPROBE_AFTER plain
 #: steps, and after twice as many each time a re-probe ends off again.
@@ -35,13 +37,13 @@ OFF_REASONS = {
 
 class CostProbe:
     """The cost model checked against this call's step times: after :data:`PLAIN_PROBE_STEPS` plain
-    steps, :attr:`factor` scales the predicted speculative cost (the first step of each kind is not counted)."""
+    steps, :attr:`factor` scales the predicted speculative cost (the first step of each kind is not counted).
+    Medians of measured / predicted per kind: one step slowed by other work on the machine does not
+    move the factor (a mean over three plain steps did, by 2x)."""
 
     def __init__(self) -> None:
         self.steps = {False: 0, True: 0}  # plain (False) and speculative (True) steps seen
-        # Of those after the first: measured and predicted seconds, and (speculative only) their number.
-        self._plain = [0.0, 0.0]
-        self._speculative = [0.0, 0.0, 0]
+        self._ratios: dict[bool, list[float]] = {False: [], True: []}  # measured / predicted, after the first
 
     @property
     def timing_plain(self) -> bool:
@@ -50,21 +52,17 @@ class CostProbe:
 
     def record(self, speculative: bool, seconds: float, predicted: float) -> None:
         self.steps[speculative] += 1
-        if self.steps[speculative] > 1:
-            times = self._speculative if speculative else self._plain
-            times[0] += seconds
-            times[1] += predicted
-            if speculative:
-                times[2] += 1
+        if self.steps[speculative] > 1 and predicted > 0 and seconds > 0:
+            self._ratios[speculative].append(seconds / predicted)
 
     @property
     def factor(self) -> float:
-        """(plain measured / predicted) / (speculative measured / predicted), shrunk towards 1 by
-        :data:`COST_PRIOR_STEPS` (1.0 until both kinds of step were measured)."""
-        (plain, plain_model), (spec, spec_model, n) = self._plain, self._speculative
-        if not (plain > 0 and spec > 0 and plain_model > 0 and spec_model > 0):
+        """median(plain measured / predicted) / median(speculative measured / predicted), shrunk
+        towards 1 by :data:`COST_PRIOR_STEPS` (1.0 until both kinds of step were measured)."""
+        plain, spec = self._ratios[False], self._ratios[True]
+        if not plain or not spec:
             return 1.0
-        return ((plain / plain_model) / (spec / spec_model)) ** (n / (n + COST_PRIOR_STEPS))
+        return (statistics.median(plain) / statistics.median(spec)) ** (len(spec) / (len(spec) + COST_PRIOR_STEPS))
 
 
 class GammaController:

@@ -33,6 +33,10 @@ class HardwareSpec:
     linear layers stored as ``"int8"``, ``"fp16"``, ``"int4"`` (a quantized self-draft), fitted by
     calibration; without an entry a format runs at ``peak_flops[format]`` if listed, else at the
     model's dtype (``"fp16"`` weights are not the float16 dtype: fbgemm computes them in fp32).
+    ``format_overhead``: host seconds per decoder layer a forward in such a format adds (CPU dynamic
+    quantization's per-call work, which sets a quantized draft's step time at small batches);
+    ``format_build``: seconds per byte of the model's linear weights to build a quantized draft (once
+    per model and process), both from calibration.
     ``overlap``: an op group costs ``max(compute, memory)`` (GPUs) or, False, their sum (small CPU
     matmuls). ``fused_mass``: the verify attention emits ``attended``'s page mass inside its fused
     kernel (CUDA); False (CPUs): the PyTorch twin's explicit softmax writes and reads its fp32
@@ -53,12 +57,16 @@ class HardwareSpec:
     captured: bool = True
     format_flops: Mapping[str, float] = field(default_factory=dict, hash=False)
     fused_mass: bool = True
+    format_overhead: Mapping[str, float] = field(default_factory=dict, hash=False)
+    format_build: Mapping[str, float] = field(default_factory=dict, hash=False)
 
     def __reduce__(self):
         # Picklable (a step model is broadcast to the other ranks): the read-only mappings travel as dicts.
         fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         fields["peak_flops"] = dict(self.peak_flops)
         fields["format_flops"] = dict(self.format_flops)
+        fields["format_overhead"] = dict(self.format_overhead)
+        fields["format_build"] = dict(self.format_build)
         return (_rebuild, (type(self), fields))
 
     def __post_init__(self) -> None:
@@ -72,14 +80,16 @@ class HardwareSpec:
             flops[canonical_dtype(key)] = float(value)
         # Read-only copies: the dataclass is frozen, its mappings should be too.
         object.__setattr__(self, "peak_flops", types.MappingProxyType(flops))
-        if not isinstance(self.format_flops, Mapping):
-            raise ValueError(f"format_flops must be a mapping weight format -> FLOP/s, got {self.format_flops!r}.")
-        for key, value in self.format_flops.items():
-            if key not in QUANTIZED_FORMATS:
-                raise ValueError(f"format_flops keys are weight formats {QUANTIZED_FORMATS}, got {key!r}.")
-            check_number(f"format_flops[{key!r}]", value)
-        object.__setattr__(self, "format_flops",
-                           types.MappingProxyType({k: float(v) for k, v in self.format_flops.items()}))
+        for name, unit in (("format_flops", "FLOP/s"), ("format_overhead", "seconds per layer"),
+                           ("format_build", "seconds per byte")):
+            mapping = getattr(self, name)
+            if not isinstance(mapping, Mapping):
+                raise ValueError(f"{name} must be a mapping weight format -> {unit}, got {mapping!r}.")
+            for key, value in mapping.items():
+                if key not in QUANTIZED_FORMATS:
+                    raise ValueError(f"{name} keys are weight formats {QUANTIZED_FORMATS}, got {key!r}.")
+                check_number(f"{name}[{key!r}]", value, allow_zero=name != "format_flops")
+            object.__setattr__(self, name, types.MappingProxyType({k: float(v) for k, v in mapping.items()}))
         unknown_memory = self.memory_bytes == float("inf")  # capacity unknown: not checked
         for name in ("bandwidth",) + (() if unknown_memory else ("memory_bytes",)) + ("link_bandwidth",):
             check_number(name, getattr(self, name))
@@ -113,7 +123,7 @@ class HardwareSpec:
 
     def replace(self, **changes: Any) -> "HardwareSpec":
         """Copy with ``changes`` applied (validated again)."""
-        for name in ("peak_flops", "format_flops"):
+        for name in ("peak_flops", "format_flops", "format_overhead", "format_build"):
             if name not in changes:
                 changes[name] = dict(getattr(self, name))
         return dataclasses.replace(self, **changes)
@@ -127,6 +137,8 @@ class HardwareSpec:
         out = dataclasses.asdict(self)
         out["peak_flops"] = dict(self.peak_flops)
         out["format_flops"] = dict(self.format_flops)
+        out["format_overhead"] = dict(self.format_overhead)
+        out["format_build"] = dict(self.format_build)
         return out
 
 
@@ -170,6 +182,8 @@ HARDWARE_PRESETS: dict[str, HardwareSpec] = {
         fused_mass=False,  # the PyTorch twin emits attended's mass (explicit softmax)
         peak_flops={"float32": 180e9, "bfloat16": 50e9, "float16": 25e9},
         # Dynamically quantized int8 and fbgemm's fp16 weights (fp32 math): slower per FLOP, fewer bytes.
+        # No format_overhead / format_build: only a calibration prices those (a preset that did declined
+        # calls that beat the static cache, docs/cost_model.md "Where the constants come from").
         format_flops={"int8": 85e9, "fp16": 95e9},
         bandwidth=12 * _GB, link_bandwidth=10 * _GB, allreduce_latency=20e-6, overhead=0.0, overlap=False,
     ),

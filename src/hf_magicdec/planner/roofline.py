@@ -102,6 +102,8 @@ def forward_cost(model: ModelSpec, hardware: HardwareSpec, *, batch: int, query_
         comm = 2 * model.layers * per_allreduce + gather
     groups["allreduce"] = GroupCost(0.0, 0.0, comm)
     host = hardware.overhead + (0.0 if hardware.captured else model.layers * hardware.layer_overhead)
+    if model.weight_format is not None:  # per-layer work of quantized linear layers (dynamic quantization)
+        host += model.layers * hardware.format_overhead.get(model.weight_format, 0.0)
     groups["overhead"] = GroupCost(0.0, 0.0, host)
     return StepCost(sum(g.seconds for g in groups.values()), groups)
 

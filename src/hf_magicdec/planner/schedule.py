@@ -17,12 +17,16 @@ from .roofline import draft_step, target_step, verify_step
 from .selection import choice_seconds, selection_seconds
 from .speculation import best_gamma_of, omega
 
-__all__ = ["CONTEXT_POINTS", "SWITCH_MARGIN", "StepModel", "best_gamma", "context_points", "scheduled_speedup"]
+__all__ = ["CONTEXT_POINTS", "PLAIN_PROBE_STEPS", "SWITCH_MARGIN", "StepModel", "best_gamma", "context_points",
+           "scheduled_speedup"]
 
 #: Points of a generation the planner evaluates the schedule at.
 CONTEXT_POINTS = 8
 #: How far above (below) 1 the predicted speedup must be to switch speculation on (off).
 SWITCH_MARGIN = 0.03
+#: A greedy schedule decodes its first PLAIN_PROBE_STEPS steps plainly, timing them
+#: (:class:`~.gamma.CostProbe`); the planner prices them.
+PLAIN_PROBE_STEPS = 3
 
 
 def context_points(prompt: int, new_tokens: int, points: int = CONTEXT_POINTS) -> list[int]:
@@ -82,10 +86,12 @@ class StepModel:
 
 
 def scheduled_speedup(model: StepModel, batch: int, points: list[int], alpha: Callable[[int], float],
-                      allow_off: bool) -> tuple[float, list[int]]:
+                      allow_off: bool, new_tokens: int = 0, setup_seconds: float = 0.0) -> tuple[float, list[int]]:
     """Predicted speedup of a generation whose steps at the context ``points`` follow the schedule
     (time-weighted: each point stands for an equal share of the new tokens), and γ at each point.
-    ``alpha(context)``: the acceptance there."""
+    ``alpha(context)``: the acceptance there. With ``new_tokens``, the call's first
+    :data:`PLAIN_PROBE_STEPS` steps decode plainly (where γ > 0 somewhere) and ``setup_seconds`` of
+    one-time work (building a quantized draft) are paid once."""
     plain = spec_time = 0.0
     gammas = []
     for context in points:
@@ -94,4 +100,8 @@ def scheduled_speedup(model: StepModel, batch: int, points: list[int], alpha: Ca
         plain += tt
         spec_time += tt / value
         gammas.append(gamma)
+    if new_tokens and any(gammas):
+        warm_up = min(PLAIN_PROBE_STEPS, new_tokens) / new_tokens  # share of the steps decoded plainly
+        step = new_tokens / len(points)  # steps each point stands for
+        spec_time = warm_up * plain + (1 - warm_up) * spec_time + setup_seconds / step
     return plain / spec_time, gammas

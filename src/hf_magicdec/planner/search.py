@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any, Iterable, NamedTuple, Protocol
+from typing import Any, Iterable, Mapping, NamedTuple, Protocol
 
 from ..checks import check_int
 from .acceptance import WEIGHTS_SEPARATOR, AcceptanceLike, resolve_acceptance
@@ -118,6 +118,9 @@ class Plan:
         """Human-readable multi-line description."""
         lines = [f"model {self.model} on {self.hardware}: batch {self.batch_size}, prompt {self.prompt_len}, "
                  f"{self.new_tokens} new tokens (mean context {self.context:g})"]
+        if "(calibrated)" not in self.hardware:
+            lines.append(f"note: step times from the {self.hardware} preset, placeholder rates not measured on this "
+                         "device; `hf-magicdec plan --model <model> --calibrate` measures them")
         if self.draft is None:
             lines.append(f"plain decoding: {self.reason}")
             return "\n".join(lines)
@@ -232,7 +235,8 @@ class Candidate(NamedTuple):
 
 def search_plan(model_or_config: Any, workload: Workload, hardware: str | HardwareSpec = "h100",
                 space: SearchSpace | None = None, *, acceptance: AcceptanceLike = None, calibration: Any = None,
-                min_speedup: float = 1.0, dtype: Any = None, tp: int = 1) -> Plan:
+                min_speedup: float = 1.0, dtype: Any = None, tp: int = 1,
+                setup_seconds: Mapping[str, float] | None = None) -> Plan:
     """Choose draft view, budget and γ for ``workload``, or plain decoding; returns a :class:`Plan`.
 
     ``model_or_config``: a model, its config (object or dict) or a :class:`ModelSpec`; only shapes and
@@ -241,8 +245,10 @@ def search_plan(model_or_config: Any, workload: Workload, hardware: str | Hardwa
     ``calibration`` (:func:`hf_magicdec.calibration.calibrate`) replaces its rates and overhead.
     ``space``: the :class:`SearchSpace` (its ``drafts`` are required). ``acceptance``: α per candidate,
     see :func:`~.acceptance.resolve_acceptance` (None: the prior). Speculate only when the best
-    predicted speedup reaches ``min_speedup``. Raises ValueError for bad sizes, an empty space or
-    unknown hardware or dtype, TypeError for drafts given by name (:func:`hf_magicdec.plan` takes names).
+    predicted speedup reaches ``min_speedup``. ``setup_seconds``: one-time seconds the call pays before
+    drafting with each draft-weights format (building a quantized draft), spread over its new tokens.
+    Raises ValueError for bad sizes, an empty space or unknown hardware or dtype, TypeError for drafts
+    given by name (:func:`hf_magicdec.plan` takes names).
     """
     space = SearchSpace() if space is None else space  # raises: the drafts are required
     spec = _model_spec(model_or_config, dtype)
@@ -264,8 +270,11 @@ def search_plan(model_or_config: Any, workload: Workload, hardware: str | Hardwa
                   for k in space.budgets if k < limit for g in space.gammas if d.fits(k, g)
                   for w in space.draft_weights]
     upside: dict[tuple, float] = {}
+    setup = dict(setup_seconds or {})
     if space.schedule:
-        candidates, upside = _scheduled(candidates, spec, hw, workload, acceptance)
+        candidates, upside = _scheduled(candidates, spec, hw, workload, acceptance, setup)
+    elif setup:
+        candidates = [_with_setup(c, setup.get(c.estimate.draft_weights, 0.0), workload.new_tokens) for c in candidates]
     if space.draft_model is not None:
         candidates += _draft_model_candidates(spec, hw, _model_spec(space.draft_model, dtype), space,
                                               workload.prompt_len, price)
@@ -289,8 +298,17 @@ def _draft_model_candidates(spec: ModelSpec, hw: HardwareSpec, dspec: ModelSpec,
     return out
 
 
+def _with_setup(c: Candidate, seconds: float, new_tokens: int) -> Candidate:
+    """``c`` with ``seconds`` of one-time work spread over ``new_tokens`` plain steps' worth of decoding."""
+    if not seconds:
+        return c
+    e = c.estimate
+    plain = new_tokens * e.t_target
+    return c._replace(estimate=dataclasses.replace(e, speedup=plain / (plain / e.speedup + seconds)))
+
+
 def _scheduled(candidates: list[Candidate], spec: ModelSpec, hw: HardwareSpec, workload: Workload,
-               acceptance: AcceptanceLike) -> tuple[list[Candidate], dict[tuple, float]]:
+               acceptance: AcceptanceLike, setup: dict[str, float]) -> tuple[list[Candidate], dict[tuple, float]]:
     """Per (view, budget, weights): the best γ's estimate with the schedule's speedup over the
     generation, and (the tie-break) the schedule's speedup at :data:`UPSIDE` more acceptance."""
     groups: dict[tuple, list[Candidate]] = {}
@@ -308,8 +326,10 @@ def _scheduled(candidates: list[Candidate], spec: ModelSpec, hw: HardwareSpec, w
         def alpha(context, more=0.0):
             return min(resolve_acceptance(acceptance, alpha_name, budget, context, prompt_len) + more, 0.99)
 
-        speedup, gammas = scheduled_speedup(model, batch, points, alpha, True)
-        upside[(name, budget, weights)] = scheduled_speedup(model, batch, points, lambda c: alpha(c, UPSIDE), True)[0]
+        call = dict(new_tokens=workload.new_tokens, setup_seconds=setup.get(weights, 0.0))
+        speedup, gammas = scheduled_speedup(model, batch, points, alpha, True, **call)
+        upside[(name, budget, weights)] = scheduled_speedup(model, batch, points, lambda c: alpha(c, UPSIDE), True,
+                                                            **call)[0]
         # Never on: plain decoding on MagicDec's cache, not worth a speculative call (the estimate,
         # below where the schedule would switch on).
         out.append(Candidate(dataclasses.replace(est, speedup=speedup) if any(gammas)

@@ -1,0 +1,127 @@
+"""Small shapes: what a short call or a single row pays besides its steps, and the planner declining
+where speculation measured a loss on 2 CPU cores (docs/benchmarks.md)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+import hf_magicdec
+from hf_magicdec.calibration import calibration_path, device_key
+from hf_magicdec.planner import get_hardware
+from hf_magicdec.planner.modelspec import ModelSpec
+from hf_magicdec.planner.roofline import draft_step
+from hf_magicdec.planner.schedule import PLAIN_PROBE_STEPS, StepModel, context_points, scheduled_speedup
+from hf_magicdec.views import get_view
+
+SMOLLM2 = dict(model_type="llama", architectures=["LlamaForCausalLM"], _name_or_path="smollm2-135m",
+               num_hidden_layers=30, hidden_size=576, num_attention_heads=9, num_key_value_heads=3,
+               intermediate_size=1536, vocab_size=49152, tie_word_embeddings=True, torch_dtype="float32",
+               max_position_embeddings=8192)
+
+
+def _xeon_calibration(spec):
+    """What ``hf-magicdec plan --model smollm2-135m --calibrate`` fitted on a 2-core Xeon (AVX-512,
+    torch 2.13): 33 forwards at batch 1-8, 10.8 % RMS error; the quantized drafts' per-layer times
+    refitted from its draft timings, their builds timed on the same machine (2.0 s int8, 2.7 s fp16)."""
+    from hf_magicdec.calibration import Calibration
+
+    return Calibration(model="smollm2-135m", spec=spec, device=device_key("cpu"), dtype="float32",
+                       bandwidth=15.53e9, flops=100.6e9, overhead=4.08e-3, overlap=False, measurements=(),
+                       rel_rms_error=0.108, quantized_flops={"int8": 245.8e9, "fp16": 96.5e9},
+                       quantized_overhead={"int8": 0.538e-3, "fp16": 0.375e-3},
+                       quantized_build={"int8": 3.7e-9, "fp16": 5.0e-9})
+
+
+@pytest.mark.parametrize("batch, prompt, new_tokens, measured", [
+    (1, 1024, 256, "0.72x the static cache (AMD EPYC); per step 0.87x its own plain steps (Xeon)"),
+    (2, 512, 32, "0.84x stock"),
+    (1, 256, 16, "1.03x stock"),
+])
+def test_a_calibrated_plan_declines_where_speculation_measured_no_gain(batch, prompt, new_tokens, measured,
+                                                                        tmp_path, monkeypatch):
+    """SmolLM2-135M fp32 as generate plans it on a CPU calibrated as the Xeon was, no quantized draft
+    built yet: each of these calls measured no gain (``measured``), so the plan is plain decoding.
+    Without the per-layer time and the build the same calibration speculated at all three."""
+    monkeypatch.setenv("HF_MAGICDEC_CACHE", str(tmp_path))
+    spec = ModelSpec.from_config(SMOLLM2)
+    cal = _xeon_calibration(spec)
+    cal.save(calibration_path("smollm2-135m", spec, device_key("cpu"), "float32"))
+    plan = hf_magicdec.plan(SMOLLM2, batch_size=batch, prompt_len=prompt, new_tokens=new_tokens, device="cpu")
+    assert "(calibrated)" in plan.hardware and not plan.speculate, (measured, plan.summary())
+    bare = dataclasses.replace(cal, quantized_overhead={}, quantized_build={})
+    bare.save(calibration_path("smollm2-135m", spec, device_key("cpu"), "float32"))
+    assert hf_magicdec.plan(SMOLLM2, batch_size=batch, prompt_len=prompt, new_tokens=new_tokens,
+                            device="cpu").speculate
+
+
+def test_a_quantized_draft_pays_its_per_layer_time_at_batch_1():
+    """CPU dynamic quantization costs a fixed time per layer: at batch 1 an int8 draft step is not
+    4x cheaper than a full-weight one although it reads a quarter of the bytes."""
+    spec = ModelSpec.from_config(SMOLLM2)
+    hw = _xeon_calibration(spec).hardware()
+    full = draft_step(spec, hw, 1, 1024, 256).seconds
+    int8 = draft_step(spec.with_weights("int8"), hw, 1, 1024, 256)
+    assert int8.groups["overhead"].seconds == pytest.approx(hw.overhead + 30 * hw.format_overhead["int8"])
+    assert 0.5 * full < int8.seconds < full
+    free = draft_step(spec.with_weights("int8"), hw.replace(format_overhead={}), 1, 1024, 256).seconds
+    assert int8.seconds - free == pytest.approx(30 * hw.format_overhead["int8"])
+
+
+def test_the_schedule_prices_the_plain_warm_up_and_the_one_time_build():
+    """The first PLAIN_PROBE_STEPS steps decode plainly and a quantized draft's build is paid once:
+    both weigh on a 16-token call and hardly on a 2,048-token one."""
+    spec, hw = ModelSpec.from_config(SMOLLM2), get_hardware("cpu")
+    model = StepModel(spec, hw, spec, 256, get_view("streamingllm"), tuple(range(1, 5)))
+
+    def speedup(new_tokens, setup=0.0):
+        points = context_points(4096, new_tokens)
+        return scheduled_speedup(model, 8, points, lambda c: 0.9, True, new_tokens=new_tokens, setup_seconds=setup)[0]
+
+    steady = scheduled_speedup(model, 8, context_points(4096, 16), lambda c: 0.9, True)[0]
+    assert steady > 1.0
+    short = speedup(16)
+    # 3 of 16 steps plain: the time of the rest at the steady speedup plus 3 plain steps.
+    assert 1 / short == pytest.approx(PLAIN_PROBE_STEPS / 16 + (1 - PLAIN_PROBE_STEPS / 16) / steady)
+    assert speedup(2048) > short
+    assert speedup(16, setup=2.0) < short
+    assert speedup(2048, setup=2.0) > speedup(16, setup=2.0)
+
+
+def test_the_build_is_priced_only_while_the_model_has_no_quantized_draft():
+    from hf_magicdec.engine.draft_weights import quantized_draft, source_bytes
+    from hf_magicdec.resolve import Target, _build_seconds
+
+    from conftest import make_model
+
+    model = make_model("llama-gqa3")  # its own: the quantized draft stays cached beside it
+    hw = get_hardware("cpu").replace(format_build={"fp16": 5e-9})
+    fresh = _build_seconds(Target.of(model), ("full", "fp16"), hw)
+    assert fresh == {"fp16": pytest.approx(source_bytes(model) * hw.format_build["fp16"])}
+    built = quantized_draft(model, "fp16")
+    assert built.build_seconds > 0
+    assert _build_seconds(Target.of(model), ("full", "fp16"), hw) == {}
+
+
+def test_a_plan_on_a_preset_says_its_rates_are_placeholders():
+    plan = hf_magicdec.plan(SMOLLM2, batch_size=8, prompt_len=4096, new_tokens=128, device="cpu")
+    assert "placeholder rates not measured on this device" in plan.summary()
+    assert "--calibrate" in plan.summary()
+
+
+def test_one_slow_plain_step_does_not_move_the_cost_probe():
+    """A plain step slowed 6x by other work on the machine (measured: 385 ms among 61-62 ms steps)
+    leaves the probe's factor where the steady steps put it."""
+    from hf_magicdec.planner.gamma import CostProbe
+
+    def factor(plain_seconds):
+        probe = CostProbe()
+        for seconds in plain_seconds:
+            probe.record(False, seconds, 0.05)
+        for _ in range(8):
+            probe.record(True, 0.2, 0.1)
+        return probe.factor
+
+    steady = factor([0.062, 0.061, 0.062, 0.062])
+    assert factor([0.062, 0.061, 0.062, 0.385, 0.062]) == pytest.approx(steady, rel=0.01)
