@@ -227,13 +227,13 @@ def _build_seconds(target: Target | None, formats, hardware) -> dict[str, float]
     if target is None:
         return {}
     model = target.model
-    out = {}
-    for fmt in formats:
-        if fmt == "full" or (model is not None and has_quantized_draft(model, fmt)):
-            continue
-        nbytes = source_bytes(model) if model is not None else target.spec.params * target.spec.weight_bytes
-        out[fmt] = nbytes * hardware.format_build.get(fmt, 0.0)
-    return out
+    rates = {fmt: hardware.format_build.get(fmt, 0.0) for fmt in formats if fmt != "full"}
+    unbuilt = [fmt for fmt, rate in rates.items()
+               if rate and not (model is not None and has_quantized_draft(model, fmt))]
+    if not unbuilt:
+        return {}
+    nbytes = source_bytes(model) if model is not None else target.spec.params * target.spec.weight_bytes
+    return {fmt: nbytes * rates[fmt] for fmt in unbuilt}
 
 
 def _weight_candidates(config: MagicDecConfig, target: Target | None, draft_model, captured: bool) -> tuple[str, ...]:

@@ -3,7 +3,6 @@ to them and cache the result as JSON."""
 
 from __future__ import annotations
 
-import dataclasses
 import datetime
 import os
 import platform
@@ -96,9 +95,9 @@ def calibrate(model: Any, *, name: str | None = None, points: Iterable[tuple[int
     for _ in range(passes):
         for batch, context in points:
             _measure_point(model, batch, context, gammas, budgets, repeats, statistic, formats, best, progress)
-    result = _fitted(name, spec, device, list(best.values()), base, form, t0, busy_before)
-    built = {fmt: quantized_draft(model, fmt).build_seconds / source_bytes(model) for fmt in formats}
-    result = dataclasses.replace(result, quantized_build=built)
+    weight_bytes = source_bytes(model)
+    built = {fmt: quantized_draft(model, fmt).build_seconds / weight_bytes for fmt in formats}
+    result = _fitted(name, spec, device, list(best.values()), base, form, t0, busy_before, built)
     if cache:
         result.save(path)
     return result
@@ -115,8 +114,9 @@ def _cached(path) -> Calibration | None:
 
 
 def _fitted(name: str, spec: ModelSpec, device: str, measurements: list[Measurement], base, form: str, t0: float,
-            busy_before: float) -> Calibration:
-    """The full-precision forwards fitted, then the quantized drafts' rates with the others fixed."""
+            busy_before: float, quantized_build: dict[str, float]) -> Calibration:
+    """The full-precision forwards fitted, then the quantized drafts' rates with the others fixed
+    (``quantized_build``: their build times, seconds per weight byte)."""
     full = [m for m in measurements if m.weights == "full"]
     fitted = fit(spec, full, base, form=form)
     quantized = fit_quantized(spec, measurements, fitted.hardware(base, spec.dtype))
@@ -125,7 +125,7 @@ def _fitted(name: str, spec: ModelSpec, device: str, measurements: list[Measurem
         overhead=fitted.overhead, overlap=fitted.overlap, measurements=tuple(measurements),
         rel_rms_error=fitted.rel_rms_error, outliers=tuple(measurements.index(full[i]) for i in fitted.outliers),
         wall_seconds=time.perf_counter() - t0, quantized_flops={f: rate for f, (rate, _) in quantized.items()},
-        quantized_overhead={f: per_layer for f, (_, per_layer) in quantized.items()},
+        quantized_overhead={f: per_layer for f, (_, per_layer) in quantized.items()}, quantized_build=quantized_build,
         created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         versions={**_versions(), "cpu_busy_before": f"{busy_before:.2f}"},
     )

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import statistics
-
 from dataclasses import dataclass, field
 
 from transformers.generation.utils import GenerateDecoderOnlyOutput

@@ -3,7 +3,7 @@ and, for a schedule, from the live batch and the context the generation has reac
 
 from __future__ import annotations
 
-import statistics
+import bisect
 
 from .schedule import PLAIN_PROBE_STEPS, StepModel, best_gamma
 
@@ -43,7 +43,9 @@ class CostProbe:
 
     def __init__(self) -> None:
         self.steps = {False: 0, True: 0}  # plain (False) and speculative (True) steps seen
-        self._ratios: dict[bool, list[float]] = {False: [], True: []}  # measured / predicted, after the first
+        # measured / predicted after the first step of each kind, kept sorted: the median of a call's
+        # thousands of steps is read every step
+        self._ratios: dict[bool, list[float]] = {False: [], True: []}
 
     @property
     def timing_plain(self) -> bool:
@@ -53,7 +55,7 @@ class CostProbe:
     def record(self, speculative: bool, seconds: float, predicted: float) -> None:
         self.steps[speculative] += 1
         if self.steps[speculative] > 1 and predicted > 0 and seconds > 0:
-            self._ratios[speculative].append(seconds / predicted)
+            bisect.insort(self._ratios[speculative], seconds / predicted)
 
     @property
     def factor(self) -> float:
@@ -62,7 +64,13 @@ class CostProbe:
         plain, spec = self._ratios[False], self._ratios[True]
         if not plain or not spec:
             return 1.0
-        return (statistics.median(plain) / statistics.median(spec)) ** (len(spec) / (len(spec) + COST_PRIOR_STEPS))
+        return (_median(plain) / _median(spec)) ** (len(spec) / (len(spec) + COST_PRIOR_STEPS))
+
+
+def _median(ordered: list[float]) -> float:
+    """The median of a sorted, non-empty list."""
+    mid = len(ordered) // 2
+    return ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
 
 
 class GammaController:

@@ -63,11 +63,11 @@ class HardwareSpec:
     def __reduce__(self):
         # Picklable (a step model is broadcast to the other ranks): the read-only mappings travel as dicts.
         fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
-        fields["peak_flops"] = dict(self.peak_flops)
-        fields["format_flops"] = dict(self.format_flops)
-        fields["format_overhead"] = dict(self.format_overhead)
-        fields["format_build"] = dict(self.format_build)
-        return (_rebuild, (type(self), fields))
+        return (_rebuild, (type(self), {**fields, **self._mapping_dicts()}))
+
+    def _mapping_dicts(self) -> dict[str, dict[str, float]]:
+        """The read-only mapping fields as plain dicts (to pickle, copy and serialise)."""
+        return {name: dict(getattr(self, name)) for name in _MAPPINGS}
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
@@ -123,10 +123,7 @@ class HardwareSpec:
 
     def replace(self, **changes: Any) -> "HardwareSpec":
         """Copy with ``changes`` applied (validated again)."""
-        for name in ("peak_flops", "format_flops", "format_overhead", "format_build"):
-            if name not in changes:
-                changes[name] = dict(getattr(self, name))
-        return dataclasses.replace(self, **changes)
+        return dataclasses.replace(self, **{**self._mapping_dicts(), **changes})
 
     def with_tp(self, tp: int) -> "HardwareSpec":
         """The same device, ``tp`` of them in tensor parallel."""
@@ -134,14 +131,11 @@ class HardwareSpec:
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-serialisable form."""
-        out = dataclasses.asdict(self)
-        out["peak_flops"] = dict(self.peak_flops)
-        out["format_flops"] = dict(self.format_flops)
-        out["format_overhead"] = dict(self.format_overhead)
-        out["format_build"] = dict(self.format_build)
-        return out
+        return {**dataclasses.asdict(self), **self._mapping_dicts()}
 
 
+#: HardwareSpec's mapping fields, held read-only.
+_MAPPINGS = ("peak_flops", "format_flops", "format_overhead", "format_build")
 _GB = 1e9
 _GIB = 1024**3
 # Host time per decoder layer of an eager GPU forward: torch.profiler counts ~1,900 top-level aten
