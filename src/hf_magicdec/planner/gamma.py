@@ -39,7 +39,7 @@ class CostProbe:
     """The cost model checked against this call's step times: after :data:`PLAIN_PROBE_STEPS` plain
     steps, :attr:`factor` scales the predicted speculative cost (the first step of each kind is not counted).
     Medians of measured / predicted per kind: one step slowed by other work on the machine does not
-    move the factor (a mean over three plain steps did, by 2x)."""
+    move the factor (it would double a mean over three plain steps)."""
 
     def __init__(self) -> None:
         self.steps = {False: 0, True: 0}  # plain (False) and speculative (True) steps seen
