@@ -110,6 +110,24 @@ def test_a_plan_on_a_preset_says_its_rates_are_placeholders():
     assert "--calibrate" in plan.summary()
 
 
+def test_a_scheduled_plan_says_what_the_run_will_do(tmp_path, monkeypatch):
+    """The default plan is priced by the schedule adaptive γ runs: its summary says so (plain timing
+    steps first, then γ re-chosen from the acceptance observed and the context) and lists the γ
+    the model expects at each point of the generation."""
+    monkeypatch.setenv("HF_MAGICDEC_CACHE", str(tmp_path))  # no cached calibration of this machine
+    plan = hf_magicdec.plan(SMOLLM2, batch_size=8, prompt_len=4096, new_tokens=512, device="cpu")
+    assert plan.speculate and plan.gamma_by_context, plan.summary()
+    contexts = [c for c, _ in plan.gamma_by_context]
+    assert contexts == context_points(4096, 512)
+    text = plan.summary()
+    assert f"first {PLAIN_PROBE_STEPS} steps are plain" in text and "re-chosen every step" in text
+    assert ", ".join(f"{c}: {g}" for c, g in plan.gamma_by_context) in text
+    # A pinned γ is not a schedule: no such line.
+    pinned = hf_magicdec.plan(SMOLLM2, batch_size=8, prompt_len=4096, new_tokens=512, device="cpu",
+                              draft="snapkv", draft_budget=256, gamma=3)
+    assert pinned.gamma_by_context == () and "run:" not in pinned.summary()
+
+
 def test_one_slow_plain_step_does_not_move_the_cost_probe():
     """A plain step slowed 6x by other work on the machine (measured: 385 ms among 61-62 ms steps)
     leaves the probe's factor where the steady steps put it."""

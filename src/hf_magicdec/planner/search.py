@@ -17,7 +17,7 @@ from .acceptance import WEIGHTS_SEPARATOR, AcceptanceLike, resolve_acceptance
 from .hardware import HardwareSpec, get_hardware
 from .modelspec import ModelSpec
 from .roofline import target_step
-from .schedule import SWITCH_MARGIN, StepModel, context_points, scheduled_speedup
+from .schedule import PLAIN_PROBE_STEPS, SWITCH_MARGIN, StepModel, context_points, scheduled_speedup
 from .speculation import Estimate, estimate
 
 __all__ = ["Plan", "search_plan", "Workload", "SearchSpace", "Candidate", "DraftLike", "DEFAULT_BUDGETS",
@@ -83,6 +83,9 @@ class Plan:
     name (None: self-speculation); ``draft_options``: view options away from their defaults;
     ``draft_weights``: ``"full"``, ``"int8"``, ``"fp16"`` or ``"int4"``. ``model``, ``hardware``:
     names (``"(calibrated)"``, ``" xN"`` for N-way tensor parallelism). ``reason``: one line.
+    ``gamma_by_context``: for a plan priced by the schedule adaptive γ runs (``SearchSpace.schedule``),
+    ``(context, γ)`` at the points of the generation it was priced at, the γ the model expects there
+    at the prior acceptance (the run's γ also follows the acceptance it observes); empty otherwise.
     """
 
     speculate: bool
@@ -106,6 +109,7 @@ class Plan:
     draft_model: str | None = None
     draft_options: dict[str, Any] = field(default_factory=dict)
     draft_weights: str = "full"
+    gamma_by_context: tuple[tuple[int, int], ...] = ()
 
     def config_kwargs(self) -> dict[str, Any]:
         """``MagicDecConfig`` keyword arguments of the best candidate (ValueError if there is none)."""
@@ -137,6 +141,12 @@ class Plan:
         lines.append(f"steps: T_T={self.t_target * 1e3:.3f} ms  T_D={self.t_draft * 1e3:.3f} ms "
                      f"(T_D/T_T={self.t_draft / self.t_target:.3f})  T_V={self.t_verify * 1e3:.3f} ms "
                      f"(T_V/T_T={self.t_verify / self.t_target:.3f})")
+        if self.gamma_by_context and self.speculate:
+            expected = ", ".join(f"{c}: {g}" for c, g in self.gamma_by_context)
+            lines.append(f"run: under greedy decoding the first {PLAIN_PROBE_STEPS} steps are plain, timing the cost "
+                         "model; then γ is re-chosen every step from the acceptance observed (probed early) and the "
+                         "context reached, 0 where speculating does not pay")
+            lines.append(f"  γ the model expects by context, at the prior acceptance: {expected}")
         if self.runner_ups:
             lines.append("runner-ups:")
             for e in self.runner_ups:
@@ -227,10 +237,12 @@ class SearchSpace:
 
 
 class Candidate(NamedTuple):
-    """One priced candidate: its estimate and the view object it runs (the plan's options)."""
+    """One priced candidate: its estimate, the view object it runs (the plan's options) and, priced by
+    the schedule, ``(context, γ)`` at each point of the generation."""
 
     estimate: Estimate
     view: Any
+    schedule: tuple[tuple[int, int], ...] = ()
 
 
 def search_plan(model_or_config: Any, workload: Workload, hardware: str | HardwareSpec = "h100",
@@ -318,7 +330,7 @@ def _scheduled(candidates: list[Candidate], spec: ModelSpec, hw: HardwareSpec, w
     points = context_points(prompt_len, workload.new_tokens)
     out, upside = [], {}
     for (name, budget, weights), group in groups.items():
-        est, view = max(group, key=lambda c: c.estimate.speedup)
+        est, view, _ = max(group, key=lambda c: c.estimate.speedup)
         drafter = spec if weights == "full" else spec.with_weights(weights)
         model = StepModel(spec, hw, drafter, budget, view, tuple(c.estimate.gamma for c in group))
         alpha_name = name if weights == "full" else f"{name}{WEIGHTS_SEPARATOR}{weights}"
@@ -333,7 +345,8 @@ def _scheduled(candidates: list[Candidate], spec: ModelSpec, hw: HardwareSpec, w
         # Never on: plain decoding on MagicDec's cache, not worth a speculative call (the estimate,
         # below where the schedule would switch on).
         out.append(Candidate(dataclasses.replace(est, speedup=speedup) if any(gammas)
-                             else dataclasses.replace(est, speedup=min(est.speedup, 1.0 - SWITCH_MARGIN)), view))
+                             else dataclasses.replace(est, speedup=min(est.speedup, 1.0 - SWITCH_MARGIN)), view,
+                             tuple(zip(points, gammas))))
     return out, upside
 
 
@@ -364,4 +377,4 @@ def _decide(candidates: list[Candidate], min_speedup: float, common: dict, upsid
                 predicted_speedup=best.speedup, acceptance=best.acceptance, tokens_per_step=best.omega,
                 t_draft=best.t_draft, t_verify=best.t_verify, runner_ups=tuple(runner_ups.values())[:_RUNNER_UPS],
                 reason=reason, draft_model=best.draft_model, draft_options=_options(candidates[0].view),
-                draft_weights=best.draft_weights, **common)
+                draft_weights=best.draft_weights, gamma_by_context=candidates[0].schedule, **common)
