@@ -208,7 +208,8 @@ def _calibration(args, name: str, spec) -> Any:
     if not args.calibrate and not args.recalibrate:
         if args.device == "cpu":
             _note(args, "note: no calibration cached for this model on this CPU; the 'cpu' preset is a rough "
-                        "placeholder (run with --calibrate to measure it, about 30 s)")
+                        "placeholder (run with --calibrate to measure it: about 2 minutes for a 135M model "
+                        "on 2 cores)")
         return None
     _note(args, f"calibrating {name} ({dtype}) on {cal.device_key(args.device)} ...")
     model, _ = _load_model(args.model, dtype, args.device)
@@ -218,6 +219,9 @@ def _calibration(args, name: str, spec) -> Any:
                 f"{result.flops / 1e9:.1f} GFLOP/s, overhead {result.overhead * 1e3:.2f} ms/forward, "
                 f"form {'max(compute, memory)' if result.overlap else 'compute + memory'}, "
                 f"relative RMS error {result.rel_rms_error:.1%}")
+    if result.linear_rows:
+        _note(args, "linear layers' time by rows (batch x query tokens), relative to 1 row: "
+                    + ", ".join(f"{rows}: {factor:.2f}" for rows, factor in result.linear_rows))
     _note(args, result.table())
     return result
 

@@ -56,6 +56,39 @@ def test_a_calibrated_plan_declines_where_speculation_measured_no_gain(batch, pr
                             device="cpu").speculate
 
 
+def _xeon_calibration_with_rows(spec):
+    """What ``hf-magicdec plan --model smollm2-135m --calibrate`` fitted on the same 2-core Xeon with the
+    row curve (33 forwards, 3.8 % RMS error; 15.9 % without the curve on the same machine)."""
+    from hf_magicdec.calibration import Calibration
+
+    rows = ((1, 1.0), (2, 1.12), (3, 1.12), (4, 2.21), (6, 2.28), (8, 2.70), (12, 3.23), (16, 4.51), (24, 4.86),
+            (32, 5.19), (48, 5.77), (64, 5.77), (96, 5.77), (128, 6.26))
+    return Calibration(model="smollm2-135m", spec=spec, device=device_key("cpu"), dtype="float32",
+                       bandwidth=20.79e9, flops=102.8e9, overhead=16.53e-3, overlap=False, measurements=(),
+                       rel_rms_error=0.038, quantized_flops={"int8": 406.8e9, "fp16": 220.7e9},
+                       quantized_overhead={"int8": 0.295e-3, "fp16": 0.269e-3},
+                       quantized_build={"int8": 3.44e-9, "fp16": 4.76e-9}, linear_rows=rows)
+
+
+@pytest.mark.parametrize("batch, prompt, new_tokens, speculate, measured", [
+    (2, 512, 32, False, "declined: 0.98x own plain decoding; speculating measured 0.74-0.79x"),
+    (1, 1024, 64, False, "speculating measured 0.99x the static cache"),
+    (1, 256, 16, False, "speculating measured 1.03x stock"),
+    (8, 256, 768, True, "1.74x the static cache, 1.49x own plain decoding"),
+    (16, 1024, 256, True, "1.81x the static cache, 1.76x own plain decoding"),
+])
+def test_with_the_row_curve_the_calibrated_plan_speculates_where_it_measured_a_gain(
+        batch, prompt, new_tokens, speculate, measured, tmp_path, monkeypatch):
+    """SmolLM2-135M fp32 as generate plans it on the Xeon calibrated with the row curve (a 5-token
+    verify costs twice a plain step at batch 1 there): plain decoding for the short calls of one or
+    two rows, speculation at 8 and 16 rows, as measured (``measured``, docs/benchmarks.md)."""
+    monkeypatch.setenv("HF_MAGICDEC_CACHE", str(tmp_path))
+    spec = ModelSpec.from_config(SMOLLM2)
+    _xeon_calibration_with_rows(spec).save(calibration_path("smollm2-135m", spec, device_key("cpu"), "float32"))
+    plan = hf_magicdec.plan(SMOLLM2, batch_size=batch, prompt_len=prompt, new_tokens=new_tokens, device="cpu")
+    assert "(calibrated)" in plan.hardware and plan.speculate == speculate, (measured, plan.summary())
+
+
 def test_a_quantized_draft_pays_its_per_layer_time_at_batch_1():
     """CPU dynamic quantization costs a fixed time per layer: at batch 1 an int8 draft step is not
     4x cheaper than a full-weight one although it reads a quarter of the bytes."""

@@ -16,7 +16,7 @@ from typing import Iterable, Sequence
 
 from ..planner.hardware import HardwareSpec, get_hardware
 from ..planner.modelspec import ModelSpec
-from ..planner.roofline import group_work
+from ..planner.roofline import curve_rows, group_work, rows_factor
 from .store import Fit, Measurement
 
 __all__ = ["fit", "fit_quantized", "nnls"]
@@ -127,8 +127,10 @@ def fit(model: ModelSpec, measurements: Sequence[Measurement], base: HardwareSpe
     ``measurements`` of ``model``.
 
     ``base`` (a preset or spec) gives the first compute/memory assignment and the rates the data
-    cannot identify. ``form``: ``"max"`` (roofline, at most ``max_iterations`` assignment/fit rounds),
-    ``"sum"`` (no overlap) or ``"auto"`` (the smaller error). ``trim``: refit, twice at most, without
+    cannot identify; its ``linear_rows`` (a CPU's row curve), if any, prices the full-precision linear
+    layers and LM head as weight reads times the curve, as the planner will. ``form``: ``"max"``
+    (roofline, at most ``max_iterations`` assignment/fit rounds), ``"sum"`` (no overlap) or ``"auto"``
+    (the smaller error). ``trim``: refit, twice at most, without
     forwards whose error exceeds ``max(30 %, 4 × the median)`` (at most a quarter of them).
     """
     if len(measurements) < 3:
@@ -136,8 +138,7 @@ def fit(model: ModelSpec, measurements: Sequence[Measurement], base: HardwareSpe
     if form not in ("auto", "max", "sum"):
         raise ValueError(f"Unknown {form=!r}; choose 'auto', 'max' or 'sum'.")
     base = get_hardware(base)
-    work = [group_work(model, 1, batch=m.batch, query_tokens=m.query_tokens, kv_tokens=m.kv_tokens,
-                       logit_tokens=m.logit_tokens) for m in measurements]
+    work = [_work(model, m, base.linear_rows) for m in measurements]
     result = _fit_forms(model, work, list(measurements), base, form, max_iterations)
     for _ in range(2 if trim else 0):
         hw = result.hardware(base, model.dtype)
@@ -150,6 +151,17 @@ def fit(model: ModelSpec, measurements: Sequence[Measurement], base: HardwareSpe
         refit = _fit_forms(model, [work[i] for i in keep], [measurements[i] for i in keep], base, form, max_iterations)
         result = dataclasses.replace(refit, outliers=tuple(sorted(bad)))
     return result
+
+
+def _work(model: ModelSpec, m: Measurement, curve) -> dict[str, tuple[float, float, int]]:
+    """``group_work`` of ``m``, the groups a row ``curve`` prices as weight reads times its factor."""
+    work = group_work(model, 1, batch=m.batch, query_tokens=m.query_tokens, kv_tokens=m.kv_tokens,
+                      logit_tokens=m.logit_tokens)
+    for name, (f, b, n) in work.items():
+        rows = curve_rows(name, m.batch, m.query_tokens, m.logit_tokens) if curve else None
+        if rows is not None:
+            work[name] = (0.0, b * rows_factor(curve, rows), n)
+    return work
 
 
 def fit_quantized(model: ModelSpec, measurements: Sequence[Measurement],

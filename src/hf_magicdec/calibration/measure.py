@@ -15,9 +15,10 @@ import transformers
 
 from ..checks import check_int
 from ..engine.draft_weights import feasible_formats, quantized_draft, source_bytes
-from ..planner.hardware import HardwareSpec
+from ..planner.hardware import HardwareSpec, get_hardware
 from ..planner.modelspec import ModelSpec
 from .fit import fit, fit_quantized
+from .rows import measure_linear_rows
 from .steps import measure_steps
 from .store import Calibration, Measurement, calibration_path, device_key
 
@@ -67,7 +68,8 @@ def calibrate(model: Any, *, name: str | None = None, points: Iterable[tuple[int
     ``passes`` times, each forward keeping its best pass; ``statistic``: ``"min"`` or ``"median"`` of
     the repeats. ``base``: the preset the fit starts from; ``form``: see :func:`.fit.fit`.
     ``draft_weights``: quantized draft formats timed too (default: those the device and model run), their
-    rates, per-layer host time and build time fitted (``Calibration.quantized_*``).
+    rates, per-layer host time and build time fitted (``Calibration.quantized_*``). On a CPU the row curve
+    of the linear layers is measured first and the fit prices them by it (``Calibration.linear_rows``).
     ``name`` names the cache file (default ``_name_or_path``); ``cache`` reads and writes it under
     ``cache_dir``, ``force`` measures again. ``progress`` gets one line per point.
     """
@@ -90,6 +92,8 @@ def calibrate(model: Any, *, name: str | None = None, points: Iterable[tuple[int
     t0 = time.perf_counter()
     # The first forwards of a process pay for allocator growth and thread-pool start-up.
     measure_steps(model, 1, 128, gammas=(1,), budgets=(64,), repeats=1)
+    linear_rows = measure_linear_rows(model)
+    base = get_hardware(base).replace(linear_rows=linear_rows)
     formats = tuple(draft_weights) if draft_weights is not None else feasible_formats(model, param.device)
     best: dict[tuple, Measurement] = {}
     for _ in range(passes):
@@ -113,8 +117,8 @@ def _cached(path) -> Calibration | None:
         return None
 
 
-def _fitted(name: str, spec: ModelSpec, device: str, measurements: list[Measurement], base, form: str, t0: float,
-            busy_before: float, quantized_build: dict[str, float]) -> Calibration:
+def _fitted(name: str, spec: ModelSpec, device: str, measurements: list[Measurement], base: HardwareSpec, form: str,
+            t0: float, busy_before: float, quantized_build: dict[str, float]) -> Calibration:
     """The full-precision forwards fitted, then the quantized drafts' rates with the others fixed
     (``quantized_build``: their build times, seconds per weight byte)."""
     full = [m for m in measurements if m.weights == "full"]
@@ -126,6 +130,7 @@ def _fitted(name: str, spec: ModelSpec, device: str, measurements: list[Measurem
         rel_rms_error=fitted.rel_rms_error, outliers=tuple(measurements.index(full[i]) for i in fitted.outliers),
         wall_seconds=time.perf_counter() - t0, quantized_flops={f: rate for f, (rate, _) in quantized.items()},
         quantized_overhead={f: per_layer for f, (_, per_layer) in quantized.items()}, quantized_build=quantized_build,
+        linear_rows=base.linear_rows,
         created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         versions={**_versions(), "cpu_busy_before": f"{busy_before:.2f}"},
     )

@@ -28,7 +28,9 @@ __all__ = ["Calibration", "Measurement", "StepTimes", "Fit", "cache_root", "cali
 # dtype peak, where the planner never read it for fp16 weights: those files hold no fitted rate).
 # 3: quantized_overhead (a quantized draft's per-layer host time) fitted beside quantized_flops; a
 # format-2 file's rates were fitted without it and overrate a quantized draft at small batches.
-_FORMAT = 3
+# 4: linear_rows (a CPU's row curve) measured and fitted with; a format-3 file's rates were fitted
+# without it and misprice verifies against plain steps.
+_FORMAT = 4
 
 
 @dataclass(frozen=True)
@@ -87,7 +89,8 @@ class Calibration:
     ``bandwidth`` bytes/s, ``flops`` FLOP/s, ``overhead`` seconds per forward, ``overlap`` (roofline
     ``max`` or ``compute + memory`` fitted better), ``quantized_flops`` {format: FLOP/s} of quantized
     draft linears (empty if none timed), ``quantized_overhead`` {format: host seconds per layer} and
-    ``quantized_build`` {format: seconds per weight byte to build the quantized draft}. Also the
+    ``quantized_build`` {format: seconds per weight byte to build the quantized draft}, ``linear_rows``
+    the CPU's row curve (:func:`~.rows.measure_linear_rows`; empty on a GPU). Also the
     ``measurements``, their ``rel_rms_error`` and the ``outliers`` left out (indices), ``wall_seconds``
     of the run, ``created`` (ISO) and ``versions``."""
 
@@ -108,6 +111,7 @@ class Calibration:
     quantized_flops: Mapping[str, float] = field(default_factory=dict, hash=False)
     quantized_overhead: Mapping[str, float] = field(default_factory=dict, hash=False)
     quantized_build: Mapping[str, float] = field(default_factory=dict, hash=False)
+    linear_rows: tuple[tuple[int, float], ...] = ()
 
     def __post_init__(self) -> None:
         check_number("bandwidth", self.bandwidth)
@@ -115,12 +119,12 @@ class Calibration:
         check_number("overhead", self.overhead, allow_zero=True)
 
     def hardware(self, base: HardwareSpec | str = "cpu") -> HardwareSpec:
-        """``base`` with the fitted rates (FLOP/s for :attr:`dtype`), overhead and form; its tensor-parallel
-        degree and interconnect are kept."""
+        """``base`` with the fitted rates (FLOP/s for :attr:`dtype`), overhead, form and row curve; its
+        tensor-parallel degree and interconnect are kept."""
         fitted = Fit(self.bandwidth, self.flops, self.overhead, self.overlap, self.rel_rms_error)
         hardware = fitted.hardware(base, self.dtype, name=f"{self.device} (calibrated)")
         # Only CUDA runs the Triton kernel that emits attended's mass fused; a CPU runs the twin.
-        hardware = hardware.replace(fused_mass=not self.device.startswith("cpu"))
+        hardware = hardware.replace(fused_mass=not self.device.startswith("cpu"), linear_rows=self.linear_rows)
         if not self.quantized_flops:
             return hardware
         return hardware.replace(format_flops={**hardware.format_flops, **self.quantized_flops},
@@ -161,6 +165,7 @@ class Calibration:
         kwargs["quantized_overhead"] = dict(data.get("quantized_overhead", {}))
         kwargs["quantized_build"] = dict(data.get("quantized_build", {}))
         kwargs["outliers"] = tuple(data.get("outliers", ()))
+        kwargs["linear_rows"] = tuple((rows, factor) for rows, factor in data.get("linear_rows", ()))
         return cls(**kwargs)
 
     def save(self, path: str | os.PathLike) -> Path:

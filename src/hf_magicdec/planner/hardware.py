@@ -36,7 +36,11 @@ class HardwareSpec:
     ``format_overhead``: host seconds per decoder layer a forward in such a format adds (CPU dynamic
     quantization's per-call work, which sets a quantized draft's step time at small batches);
     ``format_build``: seconds per byte of the model's linear weights to build a quantized draft (once
-    per model and process), both from calibration.
+    per model and process), both from calibration. ``linear_rows``: ``((rows, factor), ...)``, the
+    measured time of the full-precision linear layers and LM head over ``rows`` rows (batch × query
+    tokens) relative to one row, rows ascending (CPUs: a GEMM switches kernels as rows grow, so a
+    5-token verify costs about twice a 1-token step where a roofline says 1.1×); where given, those
+    layers cost ``bytes / bandwidth × factor`` instead of their roofline. Empty (GPUs): the roofline.
     ``overlap``: an op group costs ``max(compute, memory)`` (GPUs) or, False, their sum (small CPU
     matmuls). ``fused_mass``: the verify attention emits ``attended``'s page mass inside its fused
     kernel (CUDA); False (CPUs): the PyTorch twin's explicit softmax writes and reads its fp32
@@ -59,6 +63,7 @@ class HardwareSpec:
     fused_mass: bool = True
     format_overhead: Mapping[str, float] = field(default_factory=dict, hash=False)
     format_build: Mapping[str, float] = field(default_factory=dict, hash=False)
+    linear_rows: tuple[tuple[int, float], ...] = ()
 
     def __reduce__(self):
         # Picklable (a step model is broadcast to the other ranks): the read-only mappings travel as dicts.
@@ -99,6 +104,7 @@ class HardwareSpec:
         for name in ("overlap", "fused_mass"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}.")
+        object.__setattr__(self, "linear_rows", _checked_rows(self.linear_rows))
 
     def peak(self, dtype: Any) -> float:
         """Peak FLOP/s of one device for ``dtype``, else for the nearest wider dtype listed (float8 →
@@ -132,6 +138,19 @@ class HardwareSpec:
     def to_dict(self) -> dict[str, Any]:
         """JSON-serialisable form."""
         return {**dataclasses.asdict(self), **self._mapping_dicts()}
+
+
+def _checked_rows(points: Any) -> tuple[tuple[int, float], ...]:
+    """``linear_rows`` as a tuple of ``(int, float)`` pairs; ValueError unless rows are positive ints in
+    ascending order and factors positive numbers."""
+    try:
+        pairs = tuple((rows, factor) for rows, factor in points)
+    except (TypeError, ValueError):
+        raise ValueError(f"linear_rows must be (rows, factor) pairs, got {points!r}.") from None
+    for i, (rows, factor) in enumerate(pairs):
+        check_int(f"linear_rows[{i}] rows", rows, 1 if i == 0 else pairs[i - 1][0] + 1)
+        check_number(f"linear_rows[{i}] factor", factor)
+    return tuple((int(rows), float(factor)) for rows, factor in pairs)
 
 
 #: HardwareSpec's mapping fields, held read-only.

@@ -2,7 +2,9 @@
 
 A forward of ``q`` query tokens for ``B`` rows attending to ``L`` keys costs, per op group (linear,
 attention, lm_head), ``max(FLOPs / peak, bytes / bandwidth)`` (their sum with ``overlap=False``),
-plus all-reduces (``tp > 1``) and host overhead. T_T, T_D and T_V are this forward with different
+plus all-reduces (``tp > 1``) and host overhead; on a device with a measured row curve
+(:attr:`~.hardware.HardwareSpec.linear_rows`) the full-precision linear layers and LM head cost their
+weight read times the curve instead. T_T, T_D and T_V are this forward with different
 ``q``, ``L`` and logits: see docs/cost_model.md, §2–3.
 """
 
@@ -16,7 +18,8 @@ from ..checks import check_int
 from .hardware import HardwareSpec
 from .modelspec import ModelSpec
 
-__all__ = ["GroupCost", "StepCost", "forward_cost", "target_step", "draft_step", "draft_steps", "verify_step"]
+__all__ = ["GroupCost", "StepCost", "forward_cost", "rows_factor", "target_step", "draft_step", "draft_steps",
+           "verify_step"]
 
 
 @dataclass(frozen=True)
@@ -51,6 +54,26 @@ def _group(flops: float, nbytes: float, peak: float, bandwidth: float, layers: i
     compute, memory = flops / peak, nbytes / bandwidth
     seconds = max(compute, memory) if overlap else compute + memory
     return GroupCost(flops * layers, nbytes * layers, layers * seconds, compute > memory)
+
+
+def rows_factor(points: tuple[tuple[int, float], ...], rows: int) -> float:
+    """A matmul's time over ``rows`` rows relative to one row, from measured ``(rows, factor)`` ``points``:
+    linear between them, the first point's factor below it, proportional to ``rows`` past the last (the
+    GEMM is compute-bound there)."""
+    first, last = points[0], points[-1]
+    if rows <= first[0]:
+        return first[1]
+    if rows >= last[0]:
+        return last[1] * rows / last[0]
+    for (r0, f0), (r1, f1) in zip(points, points[1:]):
+        if rows <= r1:
+            return f0 + (f1 - f0) * (rows - r0) / (r1 - r0)
+    raise AssertionError("unreachable")
+
+
+def curve_rows(name: str, batch: int, query_tokens: int, logit_tokens: int) -> int | None:
+    """The rows of op group ``name`` priced by a row curve (``linear``, ``lm_head``); None for the others."""
+    return {"linear": batch * query_tokens, "lm_head": batch * logit_tokens}.get(name)
 
 
 def group_work(model: ModelSpec, tp: int, *, batch: int, query_tokens: int, kv_tokens: int,
@@ -89,8 +112,15 @@ def forward_cost(model: ModelSpec, hardware: HardwareSpec, *, batch: int, query_
     # Quantized linear layers run at the device's rate for their format where it lists one (CPU
     # int8 GEMMs); weight-only formats (GPU) compute in the model's dtype.
     linear_peak = hardware.linear_peak(model.weight_format, model.dtype)
-    groups = {name: _group(f, b, peak if name == "attention" else linear_peak, bw, n, hardware.overlap)
-              for name, (f, b, n) in work.items()}
+    # Quantized drafts keep their fitted rate and per-layer time: the curve is the dense kernels'.
+    curve = hardware.linear_rows if model.weight_format is None else ()
+    groups = {}
+    for name, (f, b, n) in work.items():
+        rows = curve_rows(name, batch, query_tokens, logit_tokens) if curve else None
+        if rows is None:
+            groups[name] = _group(f, b, peak if name == "attention" else linear_peak, bw, n, hardware.overlap)
+        else:
+            groups[name] = GroupCost(f * n, b * n, n * b / bw * rows_factor(curve, rows))
     comm = 0.0
     if tp > 1:
         # Ring all-reduce moves 2(tp-1)/tp of the message per device; two per layer (after
