@@ -336,3 +336,23 @@ def test_default_plan_alone_and_sampling_needs_rounds(tmp_path, tiny_bench, caps
         assert exc.value.code == 2
     err = capsys.readouterr().err
     assert "temperature" in err and "default_plan" in err
+
+
+def test_a_default_plan_row_is_predicted_by_the_schedule_it_ran():
+    """The default plan at 8 x 256 -> 768 ran attended/256 (the view compresses what the generation
+    writes): its prediction is priced by the schedule adaptive γ ran, as generate priced the call. A
+    pinned γ is priced at that γ, where a budget as long as the prompt compresses nothing."""
+    from hf_magicdec import MagicDecConfig
+    from hf_magicdec_bench.bench.runner import _predict
+
+    model = make_model("llama-gqa3", layers=2)
+    stats = types.SimpleNamespace(steps=114, draft="attended", mean_gamma=6.5, draft_budget=256,
+                                  draft_weights="full", acceptance_rate=0.984)
+    m = types.SimpleNamespace(speculation=stats)
+    row = Result("magicdec", "magicdec default plan", 8, 256, 768, m, MagicDecConfig())
+    _predict(model, row)
+    assert row.predicted_speedup > 1.0 and row.extra["prediction"]["gamma"] >= 1
+    pinned = Result("magicdec", "attended/256 γ=6", 8, 256, 768, m,
+                    MagicDecConfig.from_any("magicdec", draft="attended", draft_budget=256, gamma=6))
+    with pytest.raises(ValueError, match="nothing to compress"):
+        _predict(model, pinned)

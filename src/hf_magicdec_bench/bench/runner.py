@@ -345,7 +345,8 @@ def _predict(model, result: Result) -> None:
     with the acceptance the run measured: next to the measurement, the gap shows what the model
     misses. Uses the device model ``generate`` plans with (:func:`hf_magicdec.plan`: the config's
     ``hardware``, else the cached calibration of this model on this device, else a preset), over a
-    search space of the run's one (view, budget, γ)."""
+    search space of the run's one (view, budget, γ); a run of the default plan is priced by the
+    schedule adaptive γ ran, over its γ range, as ``generate`` priced the call."""
     s = result.m.speculation
     if s is None or not s.steps or s.draft == "full":
         return
@@ -355,13 +356,18 @@ def _predict(model, result: Result) -> None:
     explicit = result.config.view if result.config is not None else None
     view = explicit if explicit is not None and getattr(explicit, "name", s.draft) == s.draft else get_view(s.draft)
     hardware = hf_magicdec.device_model(model, result.config.hardware if result.config is not None else None)
-    space = SearchSpace(drafts=[view], budgets=(s.draft_budget,), gammas=(gamma,), draft_weights=(s.draft_weights,))
+    # A run whose γ followed the context (the default plan) is priced by that schedule, as generate
+    # priced it, over its γ range; a fixed γ at the run's mean γ.
+    scheduled = result.config is not None and result.config.adaptive and result.config.planner_may_decline
+    gammas = tuple(range(1, result.config.max_gamma + 1)) if scheduled else (gamma,)
+    space = SearchSpace(drafts=[view], budgets=(s.draft_budget,), gammas=gammas, draft_weights=(s.draft_weights,),
+                        schedule=scheduled)
     p = search_plan(model, Workload(result.batch, result.context, result.new_tokens), hardware, space,
                     acceptance=min(s.acceptance_rate, 0.999))
     if p.draft is None:
         raise ValueError(p.reason)
     result.predicted_speedup = p.predicted_speedup
-    result.extra["prediction"] = {"hardware": p.hardware, "gamma": gamma, "acceptance": s.acceptance_rate,
+    result.extra["prediction"] = {"hardware": p.hardware, "gamma": p.gamma, "acceptance": s.acceptance_rate,
                                   "T_T_s": p.t_target, "T_D_s": p.t_draft, "T_V_s": p.t_verify}
 
 
