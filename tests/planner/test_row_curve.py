@@ -106,3 +106,27 @@ def test_real_cpu_forwards_fit_with_their_curve_and_not_without(model, with_curv
     curve = tuple(tuple(p) for p in data["linear_rows"])
     assert fit(spec, forwards, base=get_hardware("cpu").replace(linear_rows=curve)).rel_rms_error < with_curve
     assert fit(spec, forwards, base="cpu").rel_rms_error > without
+
+
+def test_the_row_curve_plot_draws_the_real_curves(tmp_path):
+    """``scripts/row_curve.py`` on calibrations holding the two real curves: one PNG, and the roofline
+    it draws beside them bends nowhere near the measured jump at 4 rows."""
+    import importlib.util
+    import json
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    spec_ = importlib.util.spec_from_file_location("_script_row_curve", root / "scripts" / "row_curve.py")
+    script = importlib.util.module_from_spec(spec_)
+    spec_.loader.exec_module(script)
+    files = []
+    for name, data in json.loads((Path(__file__).parent / "cpu_forwards.json").read_text()).items():
+        c = cal.Calibration(model=name, spec=ModelSpec(**data["spec"]), device=data["device"], dtype=data["dtype"],
+                            bandwidth=20e9, flops=100e9, overhead=0.0, overlap=False,
+                            measurements=tuple(cal.Measurement(**m) for m in data["measurements"]),
+                            rel_rms_error=0.05, linear_rows=tuple(tuple(p) for p in data["linear_rows"]))
+        files.append(str(c.save(tmp_path / f"{name}.json")))
+        roof = dict(script.roofline_curve(c))
+        assert roof[4] < 1.5 < dict(c.linear_rows)[4]
+    out = tmp_path / "curve.png"
+    assert script.main([*files, "--out", str(out)]) == 0 and out.stat().st_size > 10_000
