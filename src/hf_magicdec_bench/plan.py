@@ -219,9 +219,6 @@ def _calibration(args, name: str, spec) -> Any:
                 f"{result.flops / 1e9:.1f} GFLOP/s, overhead {result.overhead * 1e3:.2f} ms/forward, "
                 f"form {'max(compute, memory)' if result.overlap else 'compute + memory'}, "
                 f"relative RMS error {result.rel_rms_error:.1%}")
-    if result.linear_rows:
-        _note(args, "linear layers' time by rows (batch x query tokens), relative to 1 row: "
-                    + ", ".join(f"{rows}: {factor:.2f}" for rows, factor in result.linear_rows))
     _note(args, result.table())
     return result
 

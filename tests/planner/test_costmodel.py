@@ -598,9 +598,13 @@ def test_calibrate_smoke_on_tiny_model(tmp_path):
     steps = calibration.measure_steps(model, 2, 96, gammas=(1, 3), budgets=(32, 64), repeats=1)
     assert steps.t_target > 0 and set(steps.t_verify) == {1, 3} and set(steps.t_draft) == {32, 64}
     assert [m.kind for m in steps.measurements()] == ["target", "verify", "verify", "draft", "draft"]
+    lines = []
     result = calibration.calibrate(model, name="tiny", points=((1, 64), (2, 96)), gammas=(1, 3), budgets=(32,),
-                           repeats=1, passes=1, cache_dir=tmp_path)
+                                   repeats=1, passes=1, cache_dir=tmp_path, progress=lines.append)
     assert result.bandwidth > 0 and result.flops > 0 and result.overhead >= 0
+    # On a CPU the row curve is measured first, said first, and kept (rows 1 .. 128).
+    assert result.linear_rows[0] == (1, 1.0) and result.linear_rows[-1][0] == 128
+    assert "linear layers' time by rows" in lines[0] and len(lines) == 3 and "B=1" in lines[1]
     import torch
 
     from hf_magicdec.engine.draft_weights import supported_formats

@@ -71,7 +71,7 @@ def calibrate(model: Any, *, name: str | None = None, points: Iterable[tuple[int
     rates, per-layer host time and build time fitted (``Calibration.quantized_*``). On a CPU the row curve
     of the linear layers is measured first and the fit prices them by it (``Calibration.linear_rows``).
     ``name`` names the cache file (default ``_name_or_path``); ``cache`` reads and writes it under
-    ``cache_dir``, ``force`` measures again. ``progress`` gets one line per point.
+    ``cache_dir``, ``force`` measures again. ``progress`` gets one line for the row curve and one per point.
     """
     param = next(model.parameters())
     spec = ModelSpec.from_config(model.config, dtype=param.dtype)
@@ -93,6 +93,9 @@ def calibrate(model: Any, *, name: str | None = None, points: Iterable[tuple[int
     # The first forwards of a process pay for allocator growth and thread-pool start-up.
     measure_steps(model, 1, 128, gammas=(1,), budgets=(64,), repeats=1)
     linear_rows = measure_linear_rows(model)
+    if progress is not None and linear_rows:
+        progress("  linear layers' time by rows (batch x query tokens), x one row's: "
+                 + ", ".join(f"{rows}: {factor:.2f}" for rows, factor in linear_rows))
     base = get_hardware(base).replace(linear_rows=linear_rows)
     formats = tuple(draft_weights) if draft_weights is not None else feasible_formats(model, param.device)
     best: dict[tuple, Measurement] = {}
