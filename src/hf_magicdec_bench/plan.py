@@ -208,7 +208,7 @@ def _calibration(args, name: str, spec) -> Any:
     if not args.calibrate and not args.recalibrate:
         if args.device == "cpu":
             _note(args, "note: no calibration cached for this model on this CPU; the 'cpu' preset is a rough "
-                        "placeholder (run with --calibrate to measure it: about 2 minutes for a 135M model "
+                        "placeholder (run with --calibrate to measure it: about 1.5 minutes for a 135M model "
                         "on 2 cores)")
         return None
     _note(args, f"calibrating {name} ({dtype}) on {cal.device_key(args.device)} ...")
