@@ -16,17 +16,18 @@ from pathlib import Path
 
 from hf_magicdec.calibration import Calibration
 from hf_magicdec.calibration.fit import fit
-from hf_magicdec.planner import get_hardware
+from hf_magicdec.planner.roofline import group_work
 
 
 def roofline_curve(cal: Calibration) -> list[tuple[int, float]]:
     """The linear layers' time by rows relative to one row, as the roofline fitted without a curve says."""
     spec = cal.spec.with_dtype(cal.dtype)
     plain = fit(spec, [m for m in cal.measurements if m.weights == "full"], base="cpu", form="sum")
-    weights = spec.layers * spec.layer_params + spec.vocab * spec.hidden  # the linears and the LM head
 
     def seconds(rows: int) -> float:
-        return weights * spec.linear_weight_bytes / plain.bandwidth + 2.0 * rows * weights / plain.flops
+        work = group_work(spec, 1, batch=rows, query_tokens=1, kv_tokens=1, logit_tokens=1)
+        return sum(n * (b / plain.bandwidth + f / plain.flops)
+                   for name, (f, b, n) in work.items() if name in ("linear", "lm_head"))
 
     return [(rows, seconds(rows) / seconds(1)) for rows, _ in cal.linear_rows]
 
@@ -41,9 +42,9 @@ def main(argv: list[str] | None = None) -> int:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    calibrations = [(path, Calibration.load(path)) for path in args.calibrations]
     fig, ax = plt.subplots(figsize=(7, 4.2))
-    for path in args.calibrations:
-        cal = Calibration.load(path)
+    for path, cal in calibrations:
         if not cal.linear_rows:
             print(f"{path}: no row curve (a GPU, or a calibration before format 4)", file=sys.stderr)
             continue
@@ -53,11 +54,12 @@ def main(argv: list[str] | None = None) -> int:
         ax.plot(rows, [f for _, f in roofline_curve(cal)], linestyle="--", color=line.get_color(),
                 label=f"{name}: roofline fitted without the curve")
     ax.set_xscale("log", base=2)
-    ticks = [rows for rows, _ in Calibration.load(args.calibrations[0]).linear_rows]
+    first = calibrations[0][1]
+    ticks = [rows for rows, _ in first.linear_rows]
     ax.set_xticks(ticks, [str(t) for t in ticks])
     ax.set_xlabel("rows (batch × query tokens)")
     ax.set_ylabel("linear layers' time / one row's")
-    ax.set_title(f"CPU row curves ({Calibration.load(args.calibrations[0]).device})", fontsize=9)
+    ax.set_title(f"CPU row curves ({first.device})", fontsize=9)
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
