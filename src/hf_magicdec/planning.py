@@ -11,7 +11,7 @@ from .config import MagicDecConfig
 from .parallel.lockstep import with_tp_degree
 from .planner import HardwareSpec, get_hardware, search_plan
 from .planner.search import Plan
-from .resolve import Target, hardware_for, resolve, search_space
+from .resolve import Target, device_hardware, resolve, search_space
 
 __all__ = ["device_model", "plan"]
 
@@ -55,5 +55,5 @@ def plan(model_or_config, *, batch_size: int, prompt_len: int, new_tokens: int, 
 def device_model(model, hardware: str | None = None) -> HardwareSpec:
     """The device model ``generate`` plans ``model``'s calls with (``hardware``: a preset), with its
     tensor-parallel degree."""
-    spec, _ = hardware_for(model, MagicDecConfig(hardware=hardware))
+    spec, _ = device_hardware(Target.of(model), MagicDecConfig(hardware=hardware))
     return with_tp_degree(spec, model)

@@ -61,11 +61,6 @@ class Target:
         return cls(spec, name, torch.device(device), spec.dtype)
 
 
-def hardware_for(model, config: MagicDecConfig):
-    """``(HardwareSpec, description)`` the planner uses for this model (see the module docstring)."""
-    return device_hardware(Target.of(model), config)
-
-
 def device_hardware(target: Target, config: MagicDecConfig):
     """``(HardwareSpec, description)`` for ``target`` (see the module docstring)."""
     if config.hardware is not None:

@@ -34,20 +34,12 @@ _FLOOR, _CEIL = 0.05, 0.99
 
 def default_acceptance(draft: str, budget: int, context: float, prompt_len: float | None = None) -> float:
     """Prior per-token acceptance α of view ``draft`` at budget K and context S (tokens; ``prompt_len``
-    P of them the prompt, None: all).
-
-    ``α = base(draft) − 0.05·log2(256 / K)⁺ − 0.0125·log2(S / 4096)⁺``, clipped to
-    [0.05, 0.99], where ``base`` is 0.80 for ``streamingllm``, 0.85 for ``snapkv`` (which beats
-    StreamingLLM at the same budget in MagicDec §4) and 0.80 for other views; for ``attended``,
-    SnapKV's 0.85 plus 0.05 + 0.03·min(1, w / 0.25), where ``w = (S − P) / S`` is the share of the
-    context the generation wrote (measured 0.04–0.07 above SnapKV where the context is the prompt,
-    0.93 and above on long generations); ``K`` is the budget and ``S`` the context. So α is flat for
-    budgets ≥ 256, loses 0.05 per halving below, and falls slowly with context. A view that holds
-    the whole context (``K ≥ S``) or the ``full`` sanity view sees everything: 0.99. A self-draft
-    on quantized weights (``"<view>@int8"``, ``"<view>@fp16"``, ``"<view>@int4"``) loses
-    ``QUANTIZED_ACCEPTANCE_DROP`` (0.06, 0, 0.10) from its view's prior. A separate draft model
-    (``draft="model:<view>"``) gets ``DRAFT_MODEL_ACCEPTANCE`` (0.70) times its view's prior / 0.99.
-    ValueError for a budget or context <= 0 or a negative ``prompt_len``.
+    P of them the prompt, None: all): ``base(draft) − 0.05·log2(256 / K)⁺ − 0.0125·log2(S / 4096)⁺``
+    clipped to [0.05, 0.99], ``base`` from :data:`BASE_ACCEPTANCE` (0.80 for other views); ``attended``
+    rises from SnapKV's + 0.05 to 0.93 as the generation writes a quarter of the context. 0.99 for a
+    view holding the whole context (K ≥ S) or ``full``. ``"<view>@<format>"`` (quantized self-draft):
+    minus :data:`QUANTIZED_ACCEPTANCE_DROP`; ``"model:<view>"`` (a separate draft model): × 0.70 / 0.99.
+    docs/cost_model.md §4. ValueError for a budget or context <= 0 or a negative ``prompt_len``.
     """
     if not budget > 0:
         raise ValueError(f"budget must be > 0, got {budget=!r}.")

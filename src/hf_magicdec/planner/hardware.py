@@ -1,9 +1,6 @@
-"""Hardware specifications: peak FLOP/s per dtype, memory bandwidth, tensor-parallel degree.
-
-GPU presets are vendor datasheet peaks (dense, per device): a roofline on them is optimistic
-(MagicDec §3: 2–3× predicted where 1.2–2.5× was measured), which :mod:`hf_magicdec.calibration`
-corrects with rates fitted on the device. The ``"cpu"`` preset is an order of magnitude only.
-"""
+"""Hardware specifications: peak FLOP/s per dtype, memory bandwidth, tensor-parallel degree. GPU presets
+are datasheet peaks (optimistic, MagicDec §3; :mod:`hf_magicdec.calibration` fits real rates), the
+``"cpu"`` preset an order of magnitude."""
 
 from __future__ import annotations
 
@@ -23,29 +20,20 @@ __all__ = ["HardwareSpec", "HARDWARE_PRESETS", "get_hardware"]
 class HardwareSpec:
     """One accelerator, or ``tp`` identical ones in tensor parallel (rates are per device).
 
-    ``peak_flops``: dense FLOP/s per dtype (canonical names, :func:`~.modelspec.canonical_dtype`).
-    ``bandwidth``: memory bytes/s; ``memory_bytes``: capacity (only for the "does it fit" check).
-    ``tp``: weights, heads and vocabulary are split over ``tp`` devices, two all-reduces per layer
-    over ``link_bandwidth`` (bytes/s per direction), each costing ``allreduce_latency`` seconds more.
-    ``overhead``: seconds per forward (fitted by calibration; 0 in the GPU presets). ``layer_overhead``:
-    host seconds per decoder layer of an eager forward (~0.3 ms on a GPU), paid unless ``captured``
-    (steps under CUDA graphs, ``compile=``; the per-call planner sets it). ``format_flops``: FLOP/s of
-    linear layers stored as ``"int8"``, ``"fp16"``, ``"int4"`` (a quantized self-draft), fitted by
-    calibration; without an entry a format runs at ``peak_flops[format]`` if listed, else at the
-    model's dtype (``"fp16"`` weights are not the float16 dtype: fbgemm computes them in fp32).
-    ``format_overhead``: host seconds per decoder layer a forward in such a format adds (CPU dynamic
-    quantization's per-call work, which sets a quantized draft's step time at small batches);
-    ``format_build``: seconds per byte of the model's linear weights to build a quantized draft (once
-    per model and process), both from calibration. ``linear_rows``: ``((rows, factor), ...)``, the
-    measured time of the full-precision linear layers and LM head over ``rows`` rows (batch × query
-    tokens) relative to one row, rows ascending (CPUs: a GEMM switches kernels as rows grow, so a
-    5-token verify costs about twice a 1-token step where a roofline says 1.1×); where given, those
-    layers cost ``bytes / bandwidth × factor`` instead of their roofline. Empty (GPUs): the roofline.
-    ``overlap``: an op group costs ``max(compute, memory)`` (GPUs) or, False, their sum (small CPU
-    matmuls). ``fused_mass``: the verify attention emits ``attended``'s page mass inside its fused
-    kernel (CUDA); False (CPUs): the PyTorch twin's explicit softmax writes and reads its fp32
-    probabilities once more. ValueError for a non-positive number (``overhead``, ``layer_overhead``
-    and ``allreduce_latency`` may be 0) or a ``tp`` that is not a positive int.
+    ``peak_flops``: dense FLOP/s per dtype (:func:`~.modelspec.canonical_dtype` names); ``bandwidth``:
+    memory bytes/s; ``memory_bytes``: capacity (the "does it fit" check). ``tp`` devices split weights,
+    heads and vocabulary, with two all-reduces per layer over ``link_bandwidth`` (bytes/s per
+    direction) at ``allreduce_latency`` seconds each. ``overhead``: seconds per forward;
+    ``layer_overhead``: host seconds per layer of an eager forward, unpaid when ``captured``
+    (``compile=``). ``format_flops``, ``format_overhead``, ``format_build``: per quantized weight format
+    (``"int8"``, ``"fp16"``, ``"int4"``), the linear layers' FLOP/s (default: ``peak_flops[format]``,
+    else the model's dtype), the host seconds per layer a forward adds, and the seconds per weight
+    byte to build the draft. ``linear_rows``: ``((rows, factor), ...)``, rows ascending, the dense
+    linear layers' and LM head's time over ``rows`` rows relative to one (a CPU's GEMM switches kernels
+    as rows grow); where given they cost ``bytes / bandwidth × factor``. ``overlap``: an op group costs
+    ``max(compute, memory)``, else their sum. ``fused_mass``: the verify kernel emits ``attended``'s
+    page mass (CUDA), else the twin reads its probabilities once more. docs/cost_model.md §1–2, §6.
+    ValueError for a bad value (``overhead``, ``layer_overhead``, ``allreduce_latency`` may be 0).
     """
 
     name: str
@@ -65,43 +53,33 @@ class HardwareSpec:
     format_build: Mapping[str, float] = field(default_factory=dict, hash=False)
     linear_rows: tuple[tuple[int, float], ...] = ()
 
-    def __reduce__(self):
-        # Picklable (a step model is broadcast to the other ranks): the read-only mappings travel as dicts.
-        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
-        return (_rebuild, (type(self), {**fields, **self._mapping_dicts()}))
+    def __reduce__(self):  # picklable (a step model is broadcast to the other ranks): mappings as dicts
+        return (_rebuild, (type(self), self._fields()))
 
-    def _mapping_dicts(self) -> dict[str, dict[str, float]]:
-        """The read-only mapping fields as plain dicts (to pickle, copy and serialise)."""
-        return {name: dict(getattr(self, name)) for name in _MAPPINGS}
+    def _fields(self) -> dict[str, Any]:
+        return {f.name: dict(v) if isinstance(v := getattr(self, f.name), Mapping) else v
+                for f in dataclasses.fields(self)}
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
             raise ValueError(f"name must be a non-empty str, got {self.name!r}.")
         if not isinstance(self.peak_flops, Mapping) or not self.peak_flops:
             raise ValueError(f"peak_flops must be a non-empty mapping dtype -> FLOP/s, got {self.peak_flops!r}.")
-        flops = {}
-        for key, value in self.peak_flops.items():
-            check_number(f"peak_flops[{key!r}]", value)
-            flops[canonical_dtype(key)] = float(value)
-        # Read-only copies: the dataclass is frozen, its mappings should be too.
-        object.__setattr__(self, "peak_flops", types.MappingProxyType(flops))
-        for name, unit in (("format_flops", "FLOP/s"), ("format_overhead", "seconds per layer"),
-                           ("format_build", "seconds per byte")):
+        _freeze(self, "peak_flops", {canonical_dtype(k): check_number(f"peak_flops[{k!r}]", v)
+                                     for k, v in self.peak_flops.items()})
+        for name in ("format_flops", "format_overhead", "format_build"):
             mapping = getattr(self, name)
-            if not isinstance(mapping, Mapping):
-                raise ValueError(f"{name} must be a mapping weight format -> {unit}, got {mapping!r}.")
-            for key, value in mapping.items():
-                if key not in QUANTIZED_FORMATS:
-                    raise ValueError(f"{name} keys are weight formats {QUANTIZED_FORMATS}, got {key!r}.")
-                check_number(f"{name}[{key!r}]", value, allow_zero=name != "format_flops")
-            object.__setattr__(self, name, types.MappingProxyType({k: float(v) for k, v in mapping.items()}))
-        unknown_memory = self.memory_bytes == float("inf")  # capacity unknown: not checked
-        for name in ("bandwidth",) + (() if unknown_memory else ("memory_bytes",)) + ("link_bandwidth",):
-            check_number(name, getattr(self, name))
+            if not isinstance(mapping, Mapping) or not set(mapping) <= set(QUANTIZED_FORMATS):
+                raise ValueError(f"{name} must map weight formats {QUANTIZED_FORMATS} to numbers, got {mapping!r}.")
+            _freeze(self, name, {k: check_number(f"{name}[{k!r}]", v, allow_zero=name != "format_flops")
+                                 for k, v in mapping.items()})
+        for name in ("bandwidth", "memory_bytes", "link_bandwidth"):
+            if name != "memory_bytes" or self.memory_bytes != float("inf"):  # inf: capacity unknown
+                check_number(name, getattr(self, name))
         for name in ("allreduce_latency", "overhead", "layer_overhead"):
             check_number(name, getattr(self, name), allow_zero=True)
         check_int("tp", self.tp)
-        for name in ("overlap", "fused_mass"):
+        for name in ("overlap", "fused_mass", "captured"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}.")
         object.__setattr__(self, "linear_rows", _checked_rows(self.linear_rows))
@@ -129,7 +107,7 @@ class HardwareSpec:
 
     def replace(self, **changes: Any) -> "HardwareSpec":
         """Copy with ``changes`` applied (validated again)."""
-        return dataclasses.replace(self, **{**self._mapping_dicts(), **changes})
+        return type(self)(**{**self._fields(), **changes})
 
     def with_tp(self, tp: int) -> "HardwareSpec":
         """The same device, ``tp`` of them in tensor parallel."""
@@ -137,7 +115,7 @@ class HardwareSpec:
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-serialisable form."""
-        return {**dataclasses.asdict(self), **self._mapping_dicts()}
+        return self._fields()
 
 
 def _checked_rows(points: Any) -> tuple[tuple[int, float], ...]:
@@ -153,12 +131,13 @@ def _checked_rows(points: Any) -> tuple[tuple[int, float], ...]:
     return tuple((int(rows), float(factor)) for rows, factor in pairs)
 
 
-#: HardwareSpec's mapping fields, held read-only.
-_MAPPINGS = ("peak_flops", "format_flops", "format_overhead", "format_build")
+def _freeze(spec: HardwareSpec, name: str, mapping: dict) -> None:
+    object.__setattr__(spec, name, types.MappingProxyType(mapping))  # frozen dataclass, read-only mappings
+
+
 _GB = 1e9
 _GIB = 1024**3
-# Host time per decoder layer of an eager GPU forward: torch.profiler counts ~1,900 top-level aten
-# operators in one 32-layer Llama decode forward (~60 per layer), at ~5 µs of launch and Python each.
+# Host time per layer of an eager GPU forward (~60 aten launches of ~5 µs; docs/cost_model.md §2).
 _EAGER_LAYER_OVERHEAD = 0.3e-3
 
 #: Vendor datasheet peaks, dense, per device. NVLink figures are per direction.
@@ -189,14 +168,11 @@ HARDWARE_PRESETS: dict[str, HardwareSpec] = {
         layer_overhead=_EAGER_LAYER_OVERHEAD,
     ),
     "cpu": HardwareSpec(
-        # Effective rates, not peaks: what `hf-magicdec plan --calibrate` fitted on the 2-core x86 VM of
-        # docs/benchmarks.md (SmolLM2-135M, fp32: 11.5 GB/s, 181 GFLOP/s, additive). Calibrate to replace them.
+        # Effective rates fitted on a 2-core x86 VM, not peaks; no row curve, format_overhead or
+        # format_build: only a calibration measures those (docs/cost_model.md, "Where the constants come from").
         name="cpu (uncalibrated)",
-        fused_mass=False,  # the PyTorch twin emits attended's mass (explicit softmax)
+        fused_mass=False,
         peak_flops={"float32": 180e9, "bfloat16": 50e9, "float16": 25e9},
-        # Dynamically quantized int8 and fbgemm's fp16 weights (fp32 math): slower per FLOP, fewer bytes.
-        # No format_overhead / format_build: only a calibration prices those (a preset that did declined
-        # calls that beat the static cache, docs/cost_model.md "Where the constants come from").
         format_flops={"int8": 85e9, "fp16": 95e9},
         bandwidth=12 * _GB, link_bandwidth=10 * _GB, allreduce_latency=20e-6, overhead=0.0, overlap=False,
     ),

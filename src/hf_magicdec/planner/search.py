@@ -71,21 +71,14 @@ def _options(view: Any) -> dict[str, Any]:
 
 @dataclass(frozen=True)
 class Plan:
-    """The planner's decision for one workload.
-
-    ``speculate``: False when the best predicted speedup is below ``min_speedup`` (use plain
-    ``generate``); in the plan of a call (:func:`hf_magicdec.plan`), whether the call speculates.
-    ``draft``, ``draft_budget``, ``gamma``: the best candidate, None when there is none (e.g. a prompt
-    shorter than every budget); ``predicted_speedup`` (1.0 without a candidate), ``acceptance`` (α),
-    ``tokens_per_step`` (Ω) and ``t_target``, ``t_draft`` (mean over the γ draft steps), ``t_verify``
-    (seconds) are its figures. ``runner_ups``: the best γ of each other (draft, budget), best first,
-    at most 5. ``context``: the mean context used, tokens. ``draft_model``: the separate draft model's
-    name (None: self-speculation); ``draft_options``: view options away from their defaults;
-    ``draft_weights``: ``"full"``, ``"int8"``, ``"fp16"`` or ``"int4"``. ``model``, ``hardware``:
-    names (``"(calibrated)"``, ``" xN"`` for N-way tensor parallelism). ``reason``: one line.
-    ``gamma_by_context``: for a plan priced by the schedule adaptive γ runs (``SearchSpace.schedule``),
-    ``(context, γ)`` at the points of the generation it was priced at, the γ the model expects there
-    at the prior acceptance (the run's γ also follows the acceptance it observes); empty otherwise.
+    """The planner's decision for one workload: ``speculate`` (in the plan of a call, whether it
+    speculates) and the best candidate (``draft``, ``draft_budget``, ``gamma``, ``draft_weights``,
+    ``draft_options`` away from the view's defaults, ``draft_model`` or None; None where there is no
+    candidate) with its figures: ``predicted_speedup`` (1.0 without one), ``acceptance`` α,
+    ``tokens_per_step`` Ω, ``t_target``, ``t_draft`` (mean over the γ steps), ``t_verify`` seconds.
+    ``runner_ups``: the best γ of each other (draft, budget), best first, at most 5; ``context``: the
+    mean context priced; ``reason``: one line. ``gamma_by_context``: priced by the schedule
+    (``SearchSpace.schedule``), ``(context, γ)`` at each point of the generation at the prior α.
     """
 
     speculate: bool
@@ -194,16 +187,12 @@ class Workload:
 
 @dataclass(frozen=True)
 class SearchSpace:
-    """What :func:`search_plan` considers, checked and held as tuples.
-
-    ``drafts``: view objects (``get_view("snapkv", window=16)``; :func:`hf_magicdec.plan` takes
-    names), required for self-speculation. ``budgets`` (K, tokens), ``gammas``. ``draft_weights``:
-    ``"full"`` and/or ``"int8"``, ``"fp16"``, ``"int4"``, each priced by its bytes with its own α
-    (``"<view>@<format>"``). ``draft_model``: a separate draft model (model, config, dict or
-    ModelSpec) whose candidates, each of ``draft_model_drafts`` on *its* cache (``"full"`` keeps all
-    of it), compete with self-speculation (``self_speculation``: whether that competes). ``schedule``:
-    price self-speculation as adaptive γ runs it, γ per context (0 where it does not pay) over the
-    whole generation; the plan's ``gamma`` is then the best γ at the mean context.
+    """What :func:`search_plan` considers, checked and held as tuples: ``drafts`` (view objects,
+    required for self-speculation), ``budgets`` K, ``gammas``, ``draft_weights`` (``"full"``, ``"int8"``,
+    ``"fp16"``, ``"int4"``, each with its own α ``"<view>@<format>"``); a separate ``draft_model`` (model,
+    config or ModelSpec) with ``draft_model_drafts`` on its own cache, competing with self-speculation
+    where ``self_speculation``. ``schedule``: price self-speculation as adaptive γ runs it, γ per
+    context (0 where it does not pay); the plan's ``gamma`` is then the best γ at the mean context.
     """
 
     drafts: Iterable[DraftLike] | None = None
@@ -251,16 +240,13 @@ def search_plan(model_or_config: Any, workload: Workload, hardware: str | Hardwa
                 setup_seconds: Mapping[str, float] | None = None) -> Plan:
     """Choose draft view, budget and γ for ``workload``, or plain decoding; returns a :class:`Plan`.
 
-    ``model_or_config``: a model, its config (object or dict) or a :class:`ModelSpec`; only shapes and
-    dtype are read (``dtype`` overrides). ``hardware``: a preset (``"a100"``, ``"h100"``, ``"h200"``,
-    ``"l40s"``, ``"cpu"``) or a :class:`HardwareSpec`, ``tp`` of them in tensor parallel;
-    ``calibration`` (:func:`hf_magicdec.calibration.calibrate`) replaces its rates and overhead.
-    ``space``: the :class:`SearchSpace` (its ``drafts`` are required). ``acceptance``: α per candidate,
-    see :func:`~.acceptance.resolve_acceptance` (None: the prior). Speculate only when the best
-    predicted speedup reaches ``min_speedup``. ``setup_seconds``: one-time seconds the call pays before
-    drafting with each draft-weights format (building a quantized draft), spread over its new tokens.
-    Raises ValueError for bad sizes, an empty space or unknown hardware or dtype, TypeError for drafts
-    given by name (:func:`hf_magicdec.plan` takes names).
+    ``model_or_config``: a model, config (object or dict) or :class:`ModelSpec` (shapes and dtype only;
+    ``dtype`` overrides). ``hardware``: a preset name or :class:`HardwareSpec`, ``tp`` of them in tensor
+    parallel, its rates replaced by a ``calibration``. ``acceptance``: α per candidate
+    (:func:`~.acceptance.resolve_acceptance`; None: the prior). Speculate where the best predicted
+    speedup reaches ``min_speedup``. ``setup_seconds``: one-time seconds per draft-weights format
+    (building a quantized draft), spread over the new tokens. ValueError for bad sizes, an empty
+    space, unknown hardware or dtype; TypeError for drafts given by name.
     """
     space = SearchSpace() if space is None else space  # raises: the drafts are required
     spec = _model_spec(model_or_config, dtype)
