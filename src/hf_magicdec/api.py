@@ -24,7 +24,7 @@ from .engine import attention
 from .engine.continuation import Continuation, check_cache, hand_back, outlives_call
 from .engine.draft_weights import QUANTIZED_FORMATS, check_draft_weights, has_quantized_draft, quantized_draft
 from .engine.drafters import ModelDrafter, SelfDrafter, check_draft_model, quantized_draft_call
-from .engine.gamma import AdaptiveGamma, FixedGamma
+from .engine.gamma import AdaptiveGamma, FixedGamma, GammaController
 from .engine.loop import Engine, left_padding
 from .engine.observers import AcceptanceRecorder, Observers, ScoresRecorder, StatsRecorder, StreamerObserver
 from .engine.outputs import MagicDecOutput, SpeculationStats
@@ -32,7 +32,6 @@ from .engine.compiled import StepGraphs
 from .engine.steps import ModelCall, compile_config_for
 from .engine.validation import check_generation_config, check_model, check_model_kwargs
 from .parallel.lockstep import Lockstep, resolve_synced_gpus
-from .planner.gamma import GammaController
 from .planner.memory import draft_key, record_acceptance
 from .notices import notice
 from .resolve import Resolution, resolve

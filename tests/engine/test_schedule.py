@@ -16,7 +16,7 @@ from conftest import make_model, ragged_prompts
 from hf_magicdec import MagicDecConfig, MagicDecWarning
 from hf_magicdec.engine.cache import MagicDecCache
 from hf_magicdec.planner import ModelSpec, SearchSpace, Workload, get_hardware, search_plan
-from hf_magicdec.planner.gamma import REPROBE_AFTER, REPROBE_STEPS, GammaController
+from hf_magicdec.engine.gamma import REPROBE_AFTER, REPROBE_STEPS, GammaController
 from hf_magicdec.planner.schedule import SWITCH_MARGIN, StepModel, best_gamma
 from hf_magicdec.views import get_view
 
@@ -315,7 +315,7 @@ def test_only_greedy_schedules_follow_their_step_times(sampling):
     config = MagicDecConfig.from_any(draft="streamingllm", draft_budget=64, gamma=3, adaptive_gamma=True)
     resolution = Resolution(config, step_model=_BreakEven(at=0), schedule=True)
     policy, _ = _gamma_policy(config, 100, 200, LOCAL, resolution, sampling=sampling)
-    assert policy.controller.measure_costs is (not sampling)
+    assert (policy.controller.probe is not None) is (not sampling)
 
 
 SMOLLM2_135M = dict(model_type="llama", num_hidden_layers=30, hidden_size=576, num_attention_heads=9,

@@ -8,10 +8,21 @@ import torch
 
 from conftest import ragged_prompts
 from hf_magicdec import MagicDecConfig, MagicDecOutput
-from hf_magicdec.planner.gamma import GammaController
+from hf_magicdec.engine.gamma import GammaController
 from hf_magicdec.resolve import resolve
 
-RATIOS = dict(draft_ratio=0.3, verify_ratio={g: 1.0 + 0.05 * g for g in range(1, 9)})
+class _Ratios:
+    """A step model whose ratios do not depend on batch or context."""
+
+    def __init__(self, draft=0.3, verify=0.05):
+        self.fixed = (1.0, draft, {g: 1.0 + verify * g for g in range(1, 9)})
+
+    def ratios(self, batch, context):
+        return self.fixed
+
+
+RATIOS = dict(step_model=_Ratios())
+AT = dict(batch=8, context=100)
 
 
 def test_config_auto_fields_and_validation():
@@ -31,14 +42,14 @@ def test_gamma_controller_follows_acceptance():
     high = GammaController(2, 8, 0.7, **RATIOS)
     for _ in range(20):
         g = high.gamma
-        high.update(accepted=8 * g, drafted=8 * g)  # everything accepted
+        high.update(accepted=8 * g, drafted=8 * g, **AT)  # everything accepted
     assert high.gamma == 8
     low = GammaController(6, 8, 0.7, **RATIOS)
     for _ in range(20):
-        low.update(accepted=0, drafted=8 * low.gamma)  # nothing accepted
+        low.update(accepted=0, drafted=8 * low.gamma, **AT)  # nothing accepted
     assert low.gamma == 1
     capped = GammaController(12, 5, 0.99, **RATIOS)
-    assert capped.gamma == 5 and capped.update(5, 5) <= 5
+    assert capped.gamma == 5 and capped.update(5, 5, **AT) <= 5
 
 
 def test_gamma_controller_says_why_it_turned_speculation_off():
@@ -47,11 +58,10 @@ def test_gamma_controller_says_why_it_turned_speculation_off():
     low = GammaController(3, 8, 0.7, **RATIOS, allow_off=True)
     assert low.reason == ""
     for _ in range(40):
-        low.update(accepted=0, drafted=8 * max(low.gamma, 1))
+        low.update(accepted=0, drafted=8 * max(low.gamma, 1), **AT)
     assert low.gamma == 0 and low.reason == "acceptance"
-    costly = GammaController(3, 8, 0.7, draft_ratio=0.95, verify_ratio={g: 1.0 + 0.3 * g for g in range(1, 9)},
-                             allow_off=True)
-    costly.update(accepted=8, drafted=8)
+    costly = GammaController(3, 8, 0.7, step_model=_Ratios(draft=0.95, verify=0.3), allow_off=True)
+    costly.update(accepted=8, drafted=8, **AT)
     assert costly.gamma == 0 and costly.reason == "context"
 
 

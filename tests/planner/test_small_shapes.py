@@ -164,7 +164,7 @@ def test_a_scheduled_plan_says_what_the_run_will_do(tmp_path, monkeypatch):
 def test_one_slow_plain_step_does_not_move_the_cost_probe():
     """A plain step slowed 6x by other work on the machine (measured: 385 ms among 61-62 ms steps)
     leaves the probe's factor where the steady steps put it."""
-    from hf_magicdec.planner.gamma import CostProbe
+    from hf_magicdec.engine.gamma import CostProbe
 
     def factor(plain_seconds):
         probe = CostProbe()

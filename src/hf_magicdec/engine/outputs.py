@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
-from ..planner.gamma import OFF_REASONS
+from .gamma import OFF_REASONS
 
 
 def _runs(values: list) -> list[tuple[int, int, object]]:
@@ -58,7 +58,7 @@ class SpeculationStats:
         Wall time of every step (its draft and verify phases), in order; see the timers below.
     off_reasons : list[str]
         Why each step's γ was 0, in order ("" for a drafting step): a key of
-        :data:`hf_magicdec.planner.gamma.OFF_REASONS`, or ``"asked"`` (``gamma=0``).
+        :data:`hf_magicdec.engine.gamma.OFF_REASONS`, or ``"asked"`` (``gamma=0``).
     refreshes : int
         Times the static part of the draft view was re-selected (``refresh_every`` /
         ``refresh_below``; see :mod:`hf_magicdec.engine.refresh`).
