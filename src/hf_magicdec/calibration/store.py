@@ -24,12 +24,7 @@ from ..planner.roofline import forward_cost
 __all__ = ["Calibration", "Measurement", "StepTimes", "Fit", "cache_root", "calibration_path", "cpu_name",
            "device_key", "load_calibration"]
 
-# 2: quantized_flops["fp16"] is the fp16-weight linear rate (format 1 fitted it into the float16
-# dtype peak, where the planner never read it for fp16 weights: those files hold no fitted rate).
-# 3: quantized_overhead (a quantized draft's per-layer host time) fitted beside quantized_flops; a
-# format-2 file's rates were fitted without it and overrate a quantized draft at small batches.
-# 4: linear_rows (a CPU's row curve) measured and fitted with; a format-3 file's rates were fitted
-# without it and misprice verifies against plain steps.
+# Raised whenever files of the previous format would misprice plans (4: the CPU row curve; git log has why).
 _FORMAT = 4
 
 
@@ -157,15 +152,10 @@ class Calibration:
         """Inverse of :meth:`to_dict`; ValueError for another format version."""
         if data.get("format") != _FORMAT:
             raise ValueError(f"Calibration format {data.get('format')!r} is not {_FORMAT}; recalibrate.")
-        fields = {f.name for f in dataclasses.fields(cls)}
-        kwargs = {k: v for k, v in data.items() if k in fields}
-        kwargs["spec"] = ModelSpec(**data["spec"])
-        kwargs["measurements"] = tuple(Measurement(**m) for m in data["measurements"])
-        kwargs["quantized_flops"] = dict(data.get("quantized_flops", {}))
-        kwargs["quantized_overhead"] = dict(data.get("quantized_overhead", {}))
-        kwargs["quantized_build"] = dict(data.get("quantized_build", {}))
-        kwargs["outliers"] = tuple(data.get("outliers", ()))
-        kwargs["linear_rows"] = tuple((rows, factor) for rows, factor in data.get("linear_rows", ()))
+        kwargs = {f.name: data[f.name] for f in dataclasses.fields(cls) if f.name in data}
+        kwargs.update(spec=ModelSpec(**data["spec"]), measurements=tuple(Measurement(**m) for m in data["measurements"]),
+                      outliers=tuple(kwargs.get("outliers", ())),
+                      linear_rows=tuple((rows, factor) for rows, factor in kwargs.get("linear_rows", ())))
         return cls(**kwargs)
 
     def save(self, path: str | os.PathLike) -> Path:

@@ -180,7 +180,6 @@ def plan_device_map(model_or_config, batch_size: int, context_length: int, *, co
     ...                        max_memory={0: "1GiB", "cpu": "8GiB"})          # doctest: +SKIP
     >>> model = AutoModelForCausalLM.from_pretrained(name, device_map=plan.device_map)  # doctest: +SKIP
     """
-
     cfg = config if config is not None else MagicDecConfig()
     model, dtype = _meta_model(model_or_config, dtype)
     per_layer = cache_bytes_per_layer(model, batch_size, context_length, cfg, dtype=dtype)
@@ -202,25 +201,9 @@ def plan_device_map(model_or_config, batch_size: int, context_length: int, *, co
 
     device_map, placed, offloaded = _place(model, memory, runners, workspace, per_layer, quantized_head, ratio,
                                            no_split, dtype, layer_names)
-    weight_bytes: dict[Any, int] = {}
-    for name, device in device_map.items():
-        weight_bytes[device] = weight_bytes.get(device, 0) + sizes[name]
-    cache = {device: 0 for device in runners}
-    layers = {device: 0 for device in runners}
-    for device in placed.values():
-        runner = device if device in runners else main
-        cache[runner] += per_layer
-        layers[runner] += 1
+    weight_bytes, cache, layers = _tally(device_map, sizes, placed, runners, per_layer)
     # accelerate keeps one offloaded layer's weights on the main device while it runs.
     buffer = layer_weights if offloaded and main not in _OFFLOAD else 0
-    notes = []
-    if cfg.draft_weights == AUTO:
-        notes.append("draft_weights='auto' may add a quantized copy of the linear layers (about "
-                     f"{_size(draft_weight_bytes(model, 'int8', dtype)[0] * len(layer_names))} as int8) on a model without "
-                     "accelerate hooks; pass draft_weights='int8' or 'full' to plan for it exactly")
-    if offloaded:
-        notes.append(f"{offloaded} layers offloaded: their weights cross to {main!r} on every forward, draft "
-                     "forwards included, so speculation gains little (docs/multi_gpu.md)")
     for device in runners:
         if layers[device] or weight_bytes.get(device, 0):  # a device that runs something
             quantized = layers[device] * quantized_per_layer + (quantized_head if device == main else 0)
@@ -229,7 +212,36 @@ def plan_device_map(model_or_config, batch_size: int, context_length: int, *, co
     return DeviceMapPlan(device_map=dict(device_map), max_memory=dict(memory), weight_bytes=weight_bytes,
                          cache_bytes=cache, layers=layers, cache_bytes_per_layer=per_layer,
                          workspace_bytes=workspace, offload_buffer_bytes=buffer,
-                         draft_weight_bytes=quantized_per_layer * len(layer_names) + quantized_head, notes=tuple(notes))
+                         draft_weight_bytes=quantized_per_layer * len(layer_names) + quantized_head,
+                         notes=_notes(model, cfg, dtype, len(layer_names), offloaded, main))
+
+
+def _tally(device_map: dict, sizes: dict, placed: dict, runners: list, per_layer: int) -> tuple[dict, dict, dict]:
+    """Weight bytes per device, and the cache bytes and layers per device that runs them (an offloaded
+    layer runs on the main device, the first runner)."""
+    weight_bytes: dict[Any, int] = {}
+    for name, device in device_map.items():
+        weight_bytes[device] = weight_bytes.get(device, 0) + sizes[name]
+    cache = {device: 0 for device in runners}
+    layers = {device: 0 for device in runners}
+    for device in placed.values():
+        runner = device if device in runners else runners[0]
+        cache[runner] += per_layer
+        layers[runner] += 1
+    return weight_bytes, cache, layers
+
+
+def _notes(model, cfg: MagicDecConfig, dtype, layers: int, offloaded: int, main) -> tuple[str, ...]:
+    """What the plan cannot know exactly, or where it places layers that make speculation gain little."""
+    notes = []
+    if cfg.draft_weights == AUTO:
+        notes.append("draft_weights='auto' may add a quantized copy of the linear layers (about "
+                     f"{_size(draft_weight_bytes(model, 'int8', dtype)[0] * layers)} as int8) on a model without "
+                     "accelerate hooks; pass draft_weights='int8' or 'full' to plan for it exactly")
+    if offloaded:
+        notes.append(f"{offloaded} layers offloaded: their weights cross to {main!r} on every forward, draft "
+                     "forwards included, so speculation gains little (docs/multi_gpu.md)")
+    return tuple(notes)
 
 
 def _place(model, memory, runners, workspace: int, per_layer: int, quantized_head: int, ratio: float, no_split, dtype,

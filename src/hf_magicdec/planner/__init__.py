@@ -16,29 +16,7 @@ from .search import Plan, SearchSpace, Workload, search_plan
 from .roofline import StepCost, draft_step, draft_steps, forward_cost, target_step, verify_step
 from .speculation import Estimate, critical_length, estimate, omega, speedup
 
-__all__ = [
-    "HARDWARE_PRESETS",
-    "Estimate",
-    "HardwareSpec",
-    "ModelSpec",
-    "Plan",
-    "SearchSpace",
-    "StepCost",
-    "critical_length",
-    "default_acceptance",
-    "draft_step",
-    "draft_steps",
-    "estimate",
-    "forget_acceptance",
-    "forward_cost",
-    "get_hardware",
-    "observed_acceptance",
-    "omega",
-    "record_acceptance",
-    "search_plan",
-    "resolve_acceptance",
-    "speedup",
-    "target_step",
-    "verify_step",
-    "Workload",
-]
+__all__ = ["critical_length", "default_acceptance", "draft_step", "draft_steps", "Estimate", "estimate",
+           "forget_acceptance", "forward_cost", "get_hardware", "HARDWARE_PRESETS", "HardwareSpec", "ModelSpec",
+           "observed_acceptance", "omega", "Plan", "record_acceptance", "resolve_acceptance", "search_plan",
+           "SearchSpace", "speedup", "StepCost", "target_step", "verify_step", "Workload"]
