@@ -66,7 +66,7 @@ def test_streamingllm_view_holds_sinks_and_recent_window():
     cache = _prefilled(prompt=20, pad=(0, 5, 12))
     config = MagicDecConfig.from_any(draft="streamingllm", draft_budget=10, sink_tokens=3, gamma=2)
     cache.build_draft_views(config.view, config.draft_budget, config.gamma, 20, max_new_tokens=8)
-    valid = cache.draft_valid()
+    valid = cache.geometry.valid()
     for b, pad in enumerate([0, 5, 12]):
         slots = _slots(cache.layers[1].draft_keys)[b, 0, :10].tolist()
         # sinks = first 3 real tokens, window = last 7 (row 2 has only 8 real tokens: all kept).
@@ -90,7 +90,7 @@ def test_rolling_window_evicts_and_budget_stays_fixed():
             cache.update(k, k, layer)
         cache.commit(torch.tensor([4, 1, 2]))
     view = _slots(cache.layers[0].draft_keys)[:, 0, :8]
-    assert cache.draft_valid().sum(1).tolist() == [8, 8, 8]
+    assert cache.geometry.valid().sum(1).tolist() == [8, 8, 8]
     for b in range(B):
         length = int(cache.lengths[b])
         assert sorted(view[b].tolist()) == [0, 1] + list(range(length - 6, length))
@@ -138,7 +138,7 @@ def test_snapkv_view_selects_top_scored_tokens_without_duplicates():
         layer.observe(torch.randn(B, HKV * 3, 4, D), 0.5, window=4)
     config = MagicDecConfig.from_any(draft="snapkv", draft_budget=10, window=4, gamma=2)
     cache.build_draft_views(config.view, config.draft_budget, config.gamma, 20, max_new_tokens=8)
-    valid = cache.draft_valid()
+    valid = cache.geometry.valid()
     for b, pad in enumerate([0, 5, 12]):
         for h in range(HKV):
             slots = [s for s, v in zip(_slots(cache.layers[0].draft_keys)[b, h, :10].tolist(), valid[b].tolist()) if v]
@@ -155,11 +155,11 @@ def test_dropped_rows_keep_state_aligned():
     config = MagicDecConfig.from_any(draft="streamingllm", draft_budget=10, sink_tokens=3, gamma=2)
     cache.build_draft_views(config.view, config.draft_budget, config.gamma, 20, max_new_tokens=8)
     before, view = cache.layers[0].keys[2].clone(), cache.layers[0].draft_keys[2].clone()
-    valid = cache.draft_valid()[2].clone()
+    valid = cache.geometry.valid()[2].clone()
     order = cache.drop_rows((False, True, False))  # row 2 takes row 1's place
     assert order.tolist()[:2] == [0, 2] and cache.num_rows == 2 and cache.pad.tolist() == [0, 12]
     assert torch.equal(cache.layers[0].keys[1], before) and torch.equal(cache.layers[0].draft_keys[1], view)
-    assert cache.draft_valid().shape == (2, 10) and torch.equal(cache.draft_valid()[1], valid)
+    assert cache.geometry.valid().shape == (2, 10) and torch.equal(cache.geometry.valid()[1], valid)
 
 
 @pytest.mark.parametrize("finished, order", [

@@ -6,7 +6,7 @@ import pytest
 import torch
 from scipy import stats
 
-from hf_magicdec.engine.sampling import greedy_verify, rejection_sample
+from hf_magicdec.engine.sampling import accept, rejection_sample
 
 from conftest import make_model
 
@@ -26,16 +26,17 @@ def test_greedy_verify_table(drafts, target_argmax, accepted, next_token):
     scores = torch.full((1, len(target_argmax), vocab), -1.0)
     for i, t in enumerate(target_argmax):
         scores[0, i, t] = 1.0
-    n, nxt = greedy_verify(torch.tensor([drafts]), scores)
-    assert n.tolist() == [accepted] and nxt.tolist() == [next_token]
+    n, tokens = accept(torch.tensor([drafts]), None, scores, do_sample=False)
+    assert n.tolist() == [accepted] and tokens[0, :accepted].tolist() == drafts[:accepted]
+    assert tokens[0, accepted].item() == next_token
 
 
 def test_greedy_verify_ragged_rows():
     scores = torch.zeros(3, 3, 4)
     scores[:, :, 1] = 1.0  # target always says 1
     drafts = torch.tensor([[1, 1], [1, 2], [0, 1]])
-    n, nxt = greedy_verify(drafts, scores)
-    assert n.tolist() == [2, 1, 0] and nxt.tolist() == [1, 1, 1]
+    n, tokens = accept(drafts, None, scores, do_sample=False)
+    assert n.tolist() == [2, 1, 0] and tokens.gather(1, n[:, None]).squeeze(1).tolist() == [1, 1, 1]
 
 
 # ---------------------------------------------------------------- rejection sampler

@@ -61,7 +61,7 @@ def test_sync_windows_equals_feeding_them_all_along(view, budget):
     assert torch.equal(fed.geometry.ring_ptr, lazy.geometry.ring_ptr)
     view_slots = fed.geometry.view_slots
     for a, b in zip(fed.layers, lazy.layers):
-        valid = fed.draft_valid()[:, None, :, None]
+        valid = fed.geometry.valid()[:, None, :, None]
         assert torch.equal(torch.where(valid, a.draft_keys[:, :, :view_slots], 0),
                            torch.where(valid, b.draft_keys[:, :, :view_slots], 0))
         assert torch.equal(torch.where(valid, a.draft_values[:, :, :view_slots], 0),

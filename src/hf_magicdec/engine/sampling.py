@@ -17,29 +17,6 @@ from __future__ import annotations
 import torch
 
 
-def greedy_verify(draft_tokens: torch.Tensor, target_scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Greedy verification.
-
-    Parameters
-    ----------
-    draft_tokens : ``[B, gamma]`` long
-    target_scores : ``[B, gamma + 1, V]`` processed target scores at each verified position.
-
-    Returns
-    -------
-    num_accepted : ``[B]`` long in ``[0, gamma]``, the longest prefix where the draft equals
-        the target's argmax.
-    next_tokens : ``[B]`` long, the target's argmax right after the accepted prefix (recovered
-        or bonus token).
-    """
-    target_tokens = target_scores.argmax(dim=-1)  # [B, gamma+1]
-    gamma = draft_tokens.shape[1]
-    match = draft_tokens == target_tokens[:, :gamma]
-    num_accepted = match.long().cumprod(dim=1).sum(dim=1)
-    next_tokens = target_tokens.gather(1, num_accepted[:, None]).squeeze(1)
-    return num_accepted, next_tokens
-
-
 def rejection_sample(
     draft_tokens: torch.Tensor,
     draft_probs: torch.Tensor,

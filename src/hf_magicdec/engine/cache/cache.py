@@ -475,10 +475,6 @@ class MagicDecCache(Cache):
             source[:, :, :k] = torch.where(static, picked, source[:, :, :k])
         return source
 
-    def draft_valid(self) -> torch.Tensor:
-        """``[B, Ks + W]`` bool: which slots of the draft view hold a token (a prefix of each row)."""
-        return self._geometry.valid()
-
     def replace_static(self, layer_idx: int, slots: torch.Tensor, where: torch.Tensor, start: int = 0) -> None:
         """Layer ``layer_idx``'s view slots ``[start, start + n)`` take the full KV at ``slots
         [B, Hkv, n]`` where ``where`` (bool, broadcastable to ``[B, Hkv, n]``) holds: a query-aware
