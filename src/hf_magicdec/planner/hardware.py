@@ -32,7 +32,7 @@ class HardwareSpec:
     linear layers' and LM head's time over ``rows`` rows relative to one (a CPU's GEMM switches kernels
     as rows grow); where given they cost ``bytes / bandwidth × factor``. ``overlap``: an op group costs
     ``max(compute, memory)``, else their sum. ``fused_mass``: the verify kernel emits ``attended``'s
-    page mass (CUDA), else the twin reads its probabilities once more. docs/cost_model.md §1–2, §6.
+    page mass (CUDA), else the twin reads its probabilities once more. docs/cost_model.md §3, §6.
     ValueError for a bad value (``overhead``, ``layer_overhead``, ``allreduce_latency`` may be 0).
     """
 
@@ -137,7 +137,7 @@ def _freeze(spec: HardwareSpec, name: str, mapping: dict) -> None:
 
 _GB = 1e9
 _GIB = 1024**3
-# Host time per layer of an eager GPU forward (~60 aten launches of ~5 µs; docs/cost_model.md §2).
+# Host time per layer of an eager GPU forward (~60 aten launches of ~5 µs; docs/cost_model.md §3).
 _EAGER_LAYER_OVERHEAD = 0.3e-3
 
 #: Vendor datasheet peaks, dense, per device. NVLink figures are per direction.
