@@ -190,6 +190,30 @@ def test_quantized_acceptance_prior_is_below_the_views():
     assert default_acceptance("snapkv@int4", 256, 4096) < default_acceptance("snapkv@int8", 256, 4096)
 
 
+def test_int8_layers_match_torch_ao_dynamic_quantization():
+    """Built a few layers at once with their scales computed directly, every int8 layer of the quantized
+    draft computes what torch.ao's dynamically quantized linear (``from_float`` with the per-channel
+    dynamic qconfig) computes from the same weights, to the bit."""
+    import warnings
+
+    from torch.ao.nn.quantized.dynamic import Linear as AoLinear
+    from torch.ao.quantization import per_channel_dynamic_qconfig
+
+    model = make_model("llama-gqa3", seed=4)
+    draft = dw.quantized_draft(model, "int8")
+    x = torch.randn(5, model.config.hidden_size, generator=torch.Generator().manual_seed(1))
+    pairs = [(name, m) for name, m in model.named_modules() if type(m) is nn.Linear]
+    built = dict(draft.module.named_modules())
+    with warnings.catch_warnings(), torch.no_grad():
+        warnings.simplefilter("ignore")  # torch.ao's quantized modules are deprecated upstream
+        for name, linear in pairs:
+            linear.qconfig = per_channel_dynamic_qconfig
+            reference = AoLinear.from_float(linear)
+            del linear.qconfig
+            inputs = x if linear.in_features == x.shape[1] else torch.randn(5, linear.in_features)
+            assert torch.equal(built[name](inputs), reference(inputs)), name
+
+
 @needs_fp16
 def test_fp16_quantized_draft_halves_the_weight_bytes_and_keeps_the_logits():
     """fp16 weights, fp32 math: the quantized draft's logits stay within fp16 rounding of the model's,

@@ -44,6 +44,7 @@ import importlib.util
 import time
 import warnings
 import weakref
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
@@ -202,14 +203,31 @@ def _source(model) -> tuple:
 
 def _make_quantized_draft(model, fmt: str, source: tuple) -> QuantizedDraft:
     device = next(model.parameters()).device
-    quantize = {"int8": _DynamicInt8Linear, "fp16": _Fp16Linear}[fmt] if device.type == "cpu" else _torchao(fmt)
-    made: list[nn.Module] = []
-    quantized = {id(m) for m in _quantized_linears(model)}
+    on_cpu = device.type == "cpu"
+    quantize = {"int8": _DynamicInt8Linear, "fp16": _Fp16Linear}[fmt] if on_cpu else _torchao(fmt)
+    start = time.perf_counter()
+    linears = _quantized_linears(model)
+
+    def build(linear: nn.Linear) -> nn.Module:
+        with torch.no_grad():  # grad mode is per thread
+            return quantize(linear)
+
+    # Quantized tensors are deprecated upstream, still the fastest CPU path. The filter is set here, once:
+    # warnings.catch_warnings is not thread-safe, and the layers are built side by side.
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=r"torch\.quantize_per_tensor, torch\.quantize_per_channel")
+        if on_cpu and len(linears) > 1:
+            # fbgemm packs a weight on one thread: pack a few layers at once (torch ops release the GIL);
+            # a few, as each holds a float copy of its weight while it is built.
+            with ThreadPoolExecutor(min(4, max(1, torch.get_num_threads()))) as pool:
+                made = list(pool.map(build, linears))
+        else:
+            made = [build(m) for m in linears]
+    quantized = {id(m): q for m, q in zip(linears, made)}
 
     def copy_of(module: nn.Module) -> nn.Module:
         if id(module) in quantized:
-            made.append(quantize(module))
-            return made[-1]
+            return quantized[id(module)]
         # Everything else is cloned (a PEFT tuner's adapters too, so that the quantized draft's eval() leaves
         # the model's own training flags alone); clones share parameters, buffers, config, hooks.
         clone = copy.copy(module)
@@ -220,9 +238,7 @@ def _make_quantized_draft(model, fmt: str, source: tuple) -> QuantizedDraft:
                           for name, child in module._modules.items()}
         return clone
 
-    start = time.perf_counter()
-    with torch.no_grad():
-        module = copy_of(model)
+    module = copy_of(model)
     module.eval()  # the clones' own flags: the model's stay as the user set them
     nbytes = sum(_quantized_bytes(m) for m in made)
     return QuantizedDraft(module, fmt, nbytes, len(made), source, time.perf_counter() - start)
@@ -238,19 +254,18 @@ class _DynamicInt8Linear(nn.Module):
     output channel, activations quantized per call, 7-bit as ``torch.ao``'s module runs them so
     fbgemm's int16 accumulation never saturates), fed float32 whatever the model's dtype.
 
-    The weight is quantized as ``torch.ao.nn.quantized.dynamic.Linear.from_float`` does it (the
-    per-channel symmetric observer of ``per_channel_dynamic_qconfig``), and packed once: that
-    module packs a zero weight of the full size first, which tripled the quantized draft's build time."""
+    The weight is quantized as ``torch.ao.nn.quantized.dynamic.Linear.from_float`` does it (the scales
+    of ``per_channel_dynamic_qconfig``'s per-channel symmetric observer, computed directly), and packed
+    once: that module packs a zero weight of the full size first, which tripled the build time."""
 
     def __init__(self, linear: nn.Linear):
         super().__init__()
         weight = linear.weight.detach().float()
-        observer = torch.ao.quantization.per_channel_dynamic_qconfig.weight()
-        observer(weight)
-        scale, zero_point = observer.calculate_qparams()
-        with warnings.catch_warnings():  # quantized tensors are deprecated upstream; still the fastest CPU path
-            warnings.simplefilter("ignore")
-            qweight = torch.quantize_per_channel(weight, scale.double(), zero_point.long(), 0, torch.qint8)
+        # What torch.ao's per-channel symmetric qint8 observer computes (scale: |w|max / 127.5 per row).
+        scale = torch.maximum(-weight.amin(1).clamp(max=0), weight.amax(1).clamp(min=0)) / 127.5
+        scale = scale.clamp(min=torch.finfo(torch.float32).eps)
+        zero_point = torch.zeros(scale.shape, dtype=torch.long)
+        qweight = torch.quantize_per_channel(weight, scale.double(), zero_point, 0, torch.qint8)
         bias = linear.bias.detach().float() if linear.bias is not None else None
         self._packed = torch.ops.quantized.linear_prepack(qweight, bias)
         self.out_features = linear.out_features
