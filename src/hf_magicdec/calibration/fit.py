@@ -16,7 +16,7 @@ from typing import Iterable, Sequence
 
 from ..planner.hardware import HardwareSpec, get_hardware
 from ..planner.modelspec import ModelSpec
-from ..planner.roofline import curve_rows, group_work, rows_factor
+from ..planner.roofline import curve_factor, group_work
 from .store import Fit, Measurement
 
 __all__ = ["fit", "fit_quantized", "nnls"]
@@ -158,9 +158,9 @@ def _work(model: ModelSpec, m: Measurement, curve) -> dict[str, tuple[float, flo
     work = group_work(model, 1, batch=m.batch, query_tokens=m.query_tokens, kv_tokens=m.kv_tokens,
                       logit_tokens=m.logit_tokens)
     for name, (f, b, n) in work.items():
-        rows = curve_rows(name, m.batch, m.query_tokens, m.logit_tokens) if curve else None
-        if rows is not None:
-            work[name] = (0.0, b * rows_factor(curve, rows), n)
+        factor = curve_factor(curve, name, m.batch, m.query_tokens, m.logit_tokens)
+        if factor is not None:
+            work[name] = (0.0, b * factor, n)
     return work
 
 

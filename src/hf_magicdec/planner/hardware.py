@@ -73,9 +73,10 @@ class HardwareSpec:
                 raise ValueError(f"{name} must map weight formats {QUANTIZED_FORMATS} to numbers, got {mapping!r}.")
             _freeze(self, name, {k: check_number(f"{name}[{k!r}]", v, allow_zero=name != "format_flops")
                                  for k, v in mapping.items()})
-        for name in ("bandwidth", "memory_bytes", "link_bandwidth"):
-            if name != "memory_bytes" or self.memory_bytes != float("inf"):  # inf: capacity unknown
-                check_number(name, getattr(self, name))
+        for name in ("bandwidth", "link_bandwidth"):
+            check_number(name, getattr(self, name))
+        if self.memory_bytes != float("inf"):  # inf: capacity unknown, not checked
+            check_number("memory_bytes", self.memory_bytes)
         for name in ("allreduce_latency", "overhead", "layer_overhead"):
             check_number(name, getattr(self, name), allow_zero=True)
         check_int("tp", self.tp)

@@ -71,9 +71,13 @@ def rows_factor(points: tuple[tuple[int, float], ...], rows: int) -> float:
     raise AssertionError("unreachable")
 
 
-def curve_rows(name: str, batch: int, query_tokens: int, logit_tokens: int) -> int | None:
-    """The rows of op group ``name`` priced by a row curve (``linear``, ``lm_head``); None for the others."""
-    return {"linear": batch * query_tokens, "lm_head": batch * logit_tokens}.get(name)
+def curve_factor(curve: tuple[tuple[int, float], ...], name: str, batch: int, query_tokens: int,
+                 logit_tokens: int) -> float | None:
+    """The row ``curve``'s factor for op group ``name`` (``linear``: batch × query tokens rows, ``lm_head``:
+    batch × logit tokens), which then costs its weight read times it; None for the other groups or
+    without a curve."""
+    rows = {"linear": batch * query_tokens, "lm_head": batch * logit_tokens}.get(name)
+    return rows_factor(curve, rows) if curve and rows is not None else None
 
 
 def group_work(model: ModelSpec, tp: int, *, batch: int, query_tokens: int, kv_tokens: int,
@@ -116,11 +120,11 @@ def forward_cost(model: ModelSpec, hardware: HardwareSpec, *, batch: int, query_
     curve = hardware.linear_rows if model.weight_format is None else ()
     groups = {}
     for name, (f, b, n) in work.items():
-        rows = curve_rows(name, batch, query_tokens, logit_tokens) if curve else None
-        if rows is None:
+        factor = curve_factor(curve, name, batch, query_tokens, logit_tokens)
+        if factor is None:
             groups[name] = _group(f, b, peak if name == "attention" else linear_peak, bw, n, hardware.overlap)
         else:
-            groups[name] = GroupCost(f * n, b * n, n * b / bw * rows_factor(curve, rows))
+            groups[name] = GroupCost(f * n, b * n, n * b / bw * factor)
     comm = 0.0
     if tp > 1:
         # Ring all-reduce moves 2(tp-1)/tp of the message per device; two per layer (after
