@@ -50,10 +50,14 @@ def test_a_calibrated_plan_declines_where_speculation_measured_no_gain(batch, pr
     cal.save(calibration_path("smollm2-135m", spec, device_key("cpu"), "float32"))
     plan = hf_magicdec.plan(SMOLLM2, batch_size=batch, prompt_len=prompt, new_tokens=new_tokens, device="cpu")
     assert "(calibrated)" in plan.hardware and not plan.speculate, (measured, plan.summary())
+    # The build it priced, in the plan's own words (a config has no weights: its parameter bytes).
+    built = {fmt: spec.params * 4 * rate for fmt, rate in cal.quantized_build.items()}
+    assert plan.setup_seconds == pytest.approx(built)
+    assert "one-time: building the quantized draft weights (fp16 2.7 s, int8 2.0 s)" in plan.summary()
     bare = dataclasses.replace(cal, quantized_overhead={}, quantized_build={})
     bare.save(calibration_path("smollm2-135m", spec, device_key("cpu"), "float32"))
-    assert hf_magicdec.plan(SMOLLM2, batch_size=batch, prompt_len=prompt, new_tokens=new_tokens,
-                            device="cpu").speculate
+    free = hf_magicdec.plan(SMOLLM2, batch_size=batch, prompt_len=prompt, new_tokens=new_tokens, device="cpu")
+    assert free.speculate and not free.setup_seconds and "one-time" not in free.summary()
 
 
 def _xeon_calibration_with_rows(spec):

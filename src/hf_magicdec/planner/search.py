@@ -79,6 +79,8 @@ class Plan:
     ``runner_ups``: the best γ of each other (draft, budget), best first, at most 5; ``context``: the
     mean context priced; ``reason``: one line. ``gamma_by_context``: priced by the schedule
     (``SearchSpace.schedule``), ``(context, γ)`` at each point of the generation at the prior α.
+    ``setup_seconds``: the one-time build of each quantized draft-weights format priced into its
+    candidates (``search_plan(..., setup_seconds=)``).
     """
 
     speculate: bool
@@ -103,6 +105,7 @@ class Plan:
     draft_options: dict[str, Any] = field(default_factory=dict)
     draft_weights: str = "full"
     gamma_by_context: tuple[tuple[int, int], ...] = ()
+    setup_seconds: dict[str, float] = field(default_factory=dict)
 
     def config_kwargs(self) -> dict[str, Any]:
         """``MagicDecConfig`` keyword arguments of the best candidate (ValueError if there is none)."""
@@ -121,6 +124,10 @@ class Plan:
         if self.draft is None:
             lines.append(f"plain decoding: {self.reason}")
             return "\n".join(lines)
+        if self.setup_seconds:
+            builds = ", ".join(f"{fmt} {sec:.1f} s" for fmt, sec in sorted(self.setup_seconds.items()))
+            lines.append(f"one-time: building the quantized draft weights ({builds}) is priced into their candidates; "
+                         "a model that has them pays nothing")
         verdict = "speculate" if self.speculate else "plain decoding"
         lines.append(f"{verdict}: {self.reason}")
         drafter = f" on draft model {self.draft_model}" if self.draft_model else ""
@@ -257,7 +264,7 @@ def search_plan(model_or_config: Any, workload: Workload, hardware: str | Hardwa
     tt = target_step(spec, hw, workload.batch_size, s).seconds
     common = dict(batch_size=workload.batch_size, prompt_len=workload.prompt_len, new_tokens=workload.new_tokens,
                   context=workload.context, model=spec.name, hardware=hw.name + (f" x{hw.tp}" if hw.tp > 1 else ""),
-                  t_target=tt)
+                  t_target=tt, setup_seconds={fmt: sec for fmt, sec in (setup_seconds or {}).items() if sec})
     price = dict(batch=workload.batch_size, context=s, acceptance=acceptance, t_target=tt,
                  prompt_len=workload.prompt_len)
     # A budget must compress something: below the prompt, or, when γ follows the context, below
