@@ -302,6 +302,7 @@ def _gamma_policy(config: MagicDecConfig, prompt: int, max_new: int, lockstep, r
     scratch = lockstep.agree_min(max(1, min(config.max_gamma, window - 1)))
     plan = resolution.plan
     prior = plan.acceptance if plan is not None and plan.acceptance else 0.8
+    end = -lockstep.agree_min(-(prompt + max_new))  # the longest rank's: every rank takes the same γ
     controller = GammaController(config.gamma, scratch, prior, step_model=resolution.step_model,
-                                 allow_off=resolution.schedule, measure_costs=not sampling)
+                                 allow_off=resolution.schedule, measure_costs=not sampling, end=end)
     return AdaptiveGamma(controller, lockstep), scratch

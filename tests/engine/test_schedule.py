@@ -273,6 +273,21 @@ def test_a_schedule_re_probes_evidence_that_may_have_gone_stale():
     assert set(_fed(short, lambda step: 0.98, 200)) == {0}
 
 
+def test_a_schedule_does_not_re_probe_in_the_last_tokens_of_a_call():
+    """A re-probe speculates for a few steps to check whether speculation pays again: with fewer
+    than REPROBE_AFTER tokens per row left, nothing would pay it back, so a schedule told where the
+    call ends (``end``) stays plain there, and one that is not told re-probes."""
+    model = _BreakEven(at=0, draft=0.5)  # pays at α = 0.95, not at α = 0.3
+
+    def gammas(end):
+        controller = GammaController(3, 8, 0.3, step_model=model, allow_off=True, end=end)
+        return _fed(controller, lambda step: 0.0, 2 * REPROBE_AFTER, context=lambda step: 100 + step)
+
+    told, untold = gammas(end=100 + REPROBE_AFTER + 10), gammas(end=None)
+    assert _runs(untold)[:3] == [(True, 1), (False, REPROBE_AFTER), (True, REPROBE_STEPS)], _runs(untold)
+    assert _runs(told)[:2] == [(True, 1), (False, 2 * REPROBE_AFTER)], _runs(told)
+
+
 def _timed(controller, model, slowdown: float, steps: int = 16) -> list[int]:
     """γs of a schedule fed plain steps that take what the model predicts and speculative steps
     ``slowdown`` times that, accepting 90 % of the drafts."""
@@ -352,3 +367,15 @@ def test_near_ties_go_to_the_candidate_with_more_to_gain(monkeypatch):
     assert plan(4096, 128).draft == "attended"
     monkeypatch.setattr(acceptance, "ATTENDED_PROMPT_LEAD", 0.0)
     assert plan(4096, 128).draft == "snapkv"
+
+
+def test_gamma_drafts_no_more_than_the_tokens_left_can_use():
+    """Near the end of a call a row with k tokens left can use at most k - 1 drafts (the verify
+    adds one token of its own): a controller told where the call ends (``end``, the context counts
+    the committed tokens' KV, the last token emitted has none) drafts no more than that."""
+    model = _BreakEven(at=0, draft=0.1)  # speculation pays: γ = max_gamma when far from the end
+    controller = GammaController(6, 6, 0.95, step_model=model, end=100)
+    assert controller.update(0, 0, batch=8, context=50) == 6
+    assert [controller.update(40, 48, batch=8, context=c) for c in (94, 95, 97, 98, 99)] == [4, 3, 1, 1, 1]
+    unbounded = GammaController(6, 6, 0.95, step_model=model)
+    assert unbounded.update(0, 0, batch=8, context=98) == 6

@@ -29,7 +29,8 @@ PROBE_TOKENS = 4 * PRIOR_WEIGHT
 #: steps' confidence.
 COST_PRIOR_STEPS = 2
 #: Off on evidence, a schedule speculates again for REPROBE_STEPS steps after REPROBE_AFTER plain
-#: steps, and after twice as many each time a re-probe ends off again.
+#: steps, and after twice as many each time a re-probe ends off again; not with fewer than
+#: REPROBE_AFTER tokens per row left to generate, too few to pay a re-probe back.
 REPROBE_AFTER = 16
 REPROBE_STEPS = 4
 
@@ -87,16 +88,19 @@ class GammaController:
     row and rank takes the same γ), the ratios from ``step_model`` at the live batch and context.
     ``allow_off``: γ may be 0 where speculation does not pay (with hysteresis; probing while the prior
     dominates, re-probing when off on evidence). ``measure_costs`` (with ``allow_off``): :meth:`update`
-    gets each step's wall time and a :class:`CostProbe` corrects the ratios.
+    gets each step's wall time and a :class:`CostProbe` corrects the ratios. ``end``: the context per
+    row where the call ends (prompt + ``max_new_tokens``; None: unknown): near it γ is at most the
+    tokens left - 1 and no re-probe starts.
     """
 
     def __init__(self, gamma: int, max_gamma: int, alpha: float, *, step_model: StepModel,
-                 allow_off: bool = False, measure_costs: bool = False):
+                 allow_off: bool = False, measure_costs: bool = False, end: int | None = None):
         self.gamma = min(gamma, max_gamma)
         self.max_gamma = max_gamma
         self.prior = alpha
         self.step_model = step_model
         self.allow_off = allow_off
+        self.end = end
         self.accepted = 0
         self.drafted = 0
         self.probe = CostProbe() if measure_costs and allow_off else None
@@ -156,6 +160,11 @@ class GammaController:
             gamma, _ = best_gamma(probed, draft_ratio, verify_ratio, True)
         if self.allow_off:
             gamma = self._reprobe(gamma, *model, draft_ratio, verify_ratio)
+        if gamma and self.end is not None:
+            # The context counts the KV of the committed tokens; the last token emitted has none yet.
+            # A row with k tokens left needs at most k - 1 drafts.
+            left = self.end - self._at[1] - 1
+            gamma = min(gamma, max(1, left - 1))
         self.gamma = gamma
         self.reason = self._why_off(*model) if gamma == 0 else ""
         return self.gamma
@@ -179,13 +188,17 @@ class GammaController:
             if not best_gamma(PROBE_ALPHA, model_draft, model_verify, True)[0]:
                 return 0  # off because the context is still short, not on evidence: nothing to re-check
             self._off_steps += 1
-            if self._off_steps <= self._reprobe_after:
+            if self._off_steps <= self._reprobe_after or self._near_end():
                 return 0
             self._off_steps, self._reprobe_left = 0, REPROBE_STEPS
         self._reprobe_left -= 1  # a re-probe runs its steps whatever the evidence says meanwhile
         if not self._reprobe_left:
             self._reprobe_after *= 2  # were it to end off again, the next one waits twice as long
         return best_gamma(self.alpha, draft_ratio, verify_ratio, False)[0]
+
+    def _near_end(self) -> bool:
+        """Whether fewer than :data:`REPROBE_AFTER` tokens per row are left at the context of this step."""
+        return self.end is not None and self._at is not None and self.end - self._at[1] < REPROBE_AFTER
 
 
 class FixedGamma:
