@@ -16,6 +16,8 @@ def is_int(value: Any) -> bool:
 
 def check_int(name: str, value: Any, minimum: int = 1) -> int:
     """Return ``value`` if it is an int (not a bool) ``>= minimum``, else raise ``ValueError``."""
+    if type(value) is int and value >= minimum:  # the common case first: the planner checks in its loops
+        return value
     if not is_int(value) or value < minimum:
         raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}.")
     return value

@@ -677,3 +677,20 @@ def test_resolution_plans_eager_steps_on_cpu(monkeypatch):
     resolve_mod.resolve(MagicDecConfig(), model, 2, 512, 32)
     resolve_mod.resolve(MagicDecConfig(compile=True), model, 2, 512, 32)
     assert [hw.captured for hw in seen] == [False, True]
+
+
+def test_a_kept_forward_cost_is_never_another_devices_or_models():
+    """Forward costs are kept per process (a plan prices the same forwards for many candidates): a
+    hardware or model that differs in any field, the per-format mappings included (left out of the
+    hash; they are read-only), gets its own cost."""
+    from hf_magicdec.planner.roofline import forward_cost
+
+    spec, cpu = ModelSpec.from_config(LLAMA, name="llama-3.1-8b"), get_hardware("cpu")
+    shape = dict(batch=4, query_tokens=1, kv_tokens=1025, logit_tokens=1)
+    base = forward_cost(spec, cpu, **shape).seconds
+    assert forward_cost(spec, cpu, **shape).seconds == base
+    assert forward_cost(spec, cpu.replace(bandwidth=2 * cpu.bandwidth), **shape).seconds < base
+    int8 = spec.with_weights("int8")
+    slow = forward_cost(int8, cpu, **shape).seconds
+    assert forward_cost(int8, cpu.replace(format_flops={"int8": 1e15}), **shape).seconds < slow
+    assert forward_cost(spec.with_dtype("float32"), cpu, **shape).seconds > base  # twice the weight bytes

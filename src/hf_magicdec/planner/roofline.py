@@ -10,6 +10,7 @@ weight read times the curve instead. T_T, T_D and T_V are this forward with diff
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field
 from typing import Mapping
@@ -109,6 +110,14 @@ def forward_cost(model: ModelSpec, hardware: HardwareSpec, *, batch: int, query_
     check_int("query_tokens", query_tokens, 1)
     check_int("kv_tokens", kv_tokens, query_tokens)
     check_int("logit_tokens", logit_tokens, 1)
+    return _forward_cost(model, hardware, batch, query_tokens, kv_tokens, logit_tokens)
+
+
+# A plan prices the same forwards for many candidates (every view and budget verifies alike), and
+# generate plans every call: specs are frozen, so a forward's cost is kept.
+@functools.lru_cache(maxsize=4096)
+def _forward_cost(model: ModelSpec, hardware: HardwareSpec, batch: int, query_tokens: int, kv_tokens: int,
+                  logit_tokens: int) -> StepCost:
     tp = hardware.tp
     peak, bw = hardware.peak(model.dtype), hardware.bandwidth
     work = group_work(model, tp, batch=batch, query_tokens=query_tokens, kv_tokens=kv_tokens,
