@@ -141,10 +141,15 @@ def test_the_build_is_priced_only_while_the_model_has_no_quantized_draft():
     assert _build_seconds(Target.of(model), ("full", "fp16"), hw) == {}
 
 
-def test_a_plan_on_a_preset_says_its_rates_are_placeholders():
+def test_a_plan_on_a_preset_says_its_rates_are_placeholders(tmp_path, monkeypatch):
+    """Its rates, and the quantized draft's build, which a preset does not price."""
+    monkeypatch.setenv("HF_MAGICDEC_CACHE", str(tmp_path))  # no cached calibration of this machine
     plan = hf_magicdec.plan(SMOLLM2, batch_size=8, prompt_len=4096, new_tokens=128, device="cpu")
     assert "placeholder rates not measured on this device" in plan.summary()
     assert "--calibrate" in plan.summary()
+    assert plan.speculate and plan.draft_weights != "full" and not plan.setup_seconds
+    assert (f"one-time: a model without {plan.draft_weights} draft weights builds them in its first speculating call, "
+            "which this preset does not price") in plan.summary()
 
 
 def test_a_scheduled_plan_says_what_the_run_will_do(tmp_path, monkeypatch):

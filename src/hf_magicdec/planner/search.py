@@ -128,6 +128,9 @@ class Plan:
             builds = ", ".join(f"{fmt} {sec:.1f} s" for fmt, sec in sorted(self.setup_seconds.items()))
             lines.append(f"one-time: building the quantized draft weights ({builds}) is priced into their candidates; "
                          "a model that has them pays nothing")
+        elif self.speculate and self.draft_weights != "full" and "(calibrated)" not in self.hardware:
+            lines.append(f"one-time: a model without {self.draft_weights} draft weights builds them in its first "
+                         "speculating call, which this preset does not price (a calibration measures it)")
         verdict = "speculate" if self.speculate else "plain decoding"
         lines.append(f"{verdict}: {self.reason}")
         drafter = f" on draft model {self.draft_model}" if self.draft_model else ""
