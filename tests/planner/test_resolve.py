@@ -162,3 +162,21 @@ def test_no_view_fits_explicit_fields_is_refused_before_any_forward(tiny_models)
     finally:
         handle.remove()
     assert calls == []
+
+
+def test_adaptive_gamma_ends_where_the_longest_rank_ends(tiny_models):
+    """Under ``synced_gpus`` each rank has its own prompt and ``max_new_tokens``, and every rank must
+    take the same γ: the controller's end is the largest over the ranks, not this rank's."""
+    from hf_magicdec.api import _gamma_policy
+    from hf_magicdec.parallel.lockstep import LOCAL
+
+    class OtherRankEndsLater:  # agree_min over two ranks, the other's call ending at context 200
+        def agree_min(self, value: int) -> int:
+            return min(value, -200) if value < 0 else value
+
+    model = tiny_models("qwen2-gqa7")
+    config = MagicDecConfig.from_any(draft="streamingllm", draft_budget=24, sink_tokens=2)  # γ adaptive
+    resolution = resolve(config, model, 4, 48, 40)
+    assert resolution.config.adaptive
+    assert _gamma_policy(resolution.config, 48, 40, LOCAL, resolution)[0].controller.end == 48 + 40
+    assert _gamma_policy(resolution.config, 48, 40, OtherRankEndsLater(), resolution)[0].controller.end == 200
