@@ -56,7 +56,7 @@ $(NEWEST_VENV)/.installed: pyproject.toml Makefile $(ASSETS)
 
 # The whole suite, not a subset: what breaks on a new transformers is spread over the routing, the
 # attention and cache seams, the architecture sweep, the real-model and docs tests alike, and two
-# runs of ~13 min each fit CI's 90 minutes. Its own model cache: the GGUF conversion is redone with
+# runs of 12–18 min each fit CI's 90 minutes. Its own model cache: the GGUF conversion is redone with
 # the newest transformers (about 20 s) rather than reusing the default stack's copy.
 test-newest: install-newest
 	$(OFFLINE) TRITON_INTERPRET=1 HF_MAGICDEC_CACHE=$(abspath $(NEWEST_VENV))/cache \
