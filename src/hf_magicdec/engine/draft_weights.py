@@ -123,21 +123,30 @@ def check_draft_weights(model, fmt: str, device: torch.device, draft_model=None)
             hint = f"this CPU has kernels for {list(available)}" if available else f"no quantized kernel on {device.type}"
         raise ValueError(f"draft_weights={fmt!r} is not available on {device.type} ({hint}); "
                          f"available: {['full', *available]}.")
+    why = _unquantizable(model)
+    if why is not None:
+        raise ValueError(f"draft_weights={fmt!r}: {why}")
+
+
+def _unquantizable(model) -> str | None:
+    """Why no quantized draft can be built for ``model`` (whatever the format), or None."""
+    chosen = {id(m) for m in _quantized_linears(model)}
+    linears = []
     for name, module in model.named_modules():
         if hasattr(module, "_hf_hook") or _patched_forward(module):
-            raise ValueError(f"draft_weights={fmt!r} needs a model whose forwards are its own; module {name!r} carries "
-                             "an accelerate hook or a patched forward (device_map offloading?). Use draft_weights='full'.")
-    chosen = {id(m) for m in _quantized_linears(model)}
-    linears = [(n, m) for n, m in model.named_modules() if id(m) in chosen]
+            return (f"module {name!r} carries an accelerate hook or a patched forward (device_map offloading?), and a "
+                    "quantized draft needs a model whose forwards are its own. Use draft_weights='full'.")
+        if id(module) in chosen:
+            linears.append((name, module))
     if not linears:
-        raise ValueError(f"draft_weights={fmt!r}: the model has no plain torch.nn.Linear layer to quantize "
-                         "(already quantized?). Use draft_weights='full'.")
+        return "the model has no plain torch.nn.Linear layer to quantize (already quantized?). Use draft_weights='full'."
     for name, linear in linears:
         weight = linear.weight
         if not weight.is_floating_point() or weight.device.type == "meta" or type(weight.data) is not torch.Tensor:
-            raise ValueError(f"draft_weights={fmt!r}: {name}.weight is {type(weight.data).__name__} "
-                             f"{weight.dtype} on {weight.device}; only dense floating-point weights can be quantized "
-                             "(sharded, offloaded or quantized models: use draft_weights='full').")
+            return (f"{name}.weight is {type(weight.data).__name__} {weight.dtype} on {weight.device}; only dense "
+                    "floating-point weights can be quantized (sharded, offloaded or quantized models: use "
+                    "draft_weights='full').")
+    return None
 
 
 def _patched_forward(module: nn.Module) -> bool:
@@ -154,14 +163,10 @@ def _rebound_class_forward(module: nn.Module, forward) -> bool:
 
 def feasible_formats(model, device: torch.device, draft_model=None) -> tuple[str, ...]:
     """The quantized formats an ``"auto"`` ``draft_weights`` may pick for this call (no error)."""
-    out = []
-    for fmt in supported_formats(device):
-        try:
-            check_draft_weights(model, fmt, device, draft_model)
-        except ValueError:
-            continue
-        out.append(fmt)
-    return tuple(out)
+    formats = supported_formats(device)
+    if draft_model is not None or not formats or _unquantizable(model) is not None:
+        return ()
+    return tuple(formats)
 
 
 def has_quantized_draft(model, fmt: str) -> bool:
