@@ -265,9 +265,10 @@ def search_plan(model_or_config: Any, workload: Workload, hardware: str | Hardwa
         hw = calibration.hardware(hw)
     s = int(round(workload.context))  # step functions take whole tokens
     tt = target_step(spec, hw, workload.batch_size, s).seconds
+    setup = {fmt: sec for fmt, sec in (setup_seconds or {}).items() if sec}  # per weights format; none: 0
     common = dict(batch_size=workload.batch_size, prompt_len=workload.prompt_len, new_tokens=workload.new_tokens,
                   context=workload.context, model=spec.name, hardware=hw.name + (f" x{hw.tp}" if hw.tp > 1 else ""),
-                  t_target=tt, setup_seconds={fmt: sec for fmt, sec in (setup_seconds or {}).items() if sec})
+                  t_target=tt, setup_seconds=setup)
     price = dict(batch=workload.batch_size, context=s, acceptance=acceptance, t_target=tt,
                  prompt_len=workload.prompt_len)
     # A budget must compress something: below the prompt, or, when γ follows the context, below
@@ -278,7 +279,6 @@ def search_plan(model_or_config: Any, workload: Workload, hardware: str | Hardwa
                   for k in space.budgets if k < limit for g in space.gammas if d.fits(k, g)
                   for w in space.draft_weights]
     upside: dict[tuple, float] = {}
-    setup = dict(setup_seconds or {})
     if space.schedule:
         candidates, upside = _scheduled(candidates, spec, hw, workload, acceptance, setup)
     elif setup:
