@@ -160,11 +160,9 @@ class GammaController:
             gamma, _ = best_gamma(probed, draft_ratio, verify_ratio, True)
         if self.allow_off:
             gamma = self._reprobe(gamma, *model, draft_ratio, verify_ratio)
-        if gamma and self.end is not None:
-            # The context counts the KV of the committed tokens; the last token emitted has none yet.
-            # A row with k tokens left needs at most k - 1 drafts.
-            left = self.end - self._at[1] - 1
-            gamma = min(gamma, max(1, left - 1))
+        left = self._tokens_left()
+        if gamma and left is not None:
+            gamma = min(gamma, max(1, left - 1))  # the verify adds a token of its own
         self.gamma = gamma
         self.reason = self._why_off(*model) if gamma == 0 else ""
         return self.gamma
@@ -196,9 +194,17 @@ class GammaController:
             self._reprobe_after *= 2  # were it to end off again, the next one waits twice as long
         return best_gamma(self.alpha, draft_ratio, verify_ratio, False)[0]
 
+    def _tokens_left(self) -> int | None:
+        """Tokens per row left to generate at the context of this step (None: the end is unknown). The
+        context counts the KV of the committed tokens; the last token emitted has none yet."""
+        if self.end is None or self._at is None:
+            return None
+        return self.end - self._at[1] - 1
+
     def _near_end(self) -> bool:
         """Whether fewer than :data:`REPROBE_AFTER` tokens per row are left at the context of this step."""
-        return self.end is not None and self._at is not None and self.end - self._at[1] < REPROBE_AFTER
+        left = self._tokens_left()
+        return left is not None and left < REPROBE_AFTER
 
 
 class FixedGamma:
