@@ -54,7 +54,7 @@ def test_a_calibrated_plan_declines_where_speculation_measured_no_gain(batch, pr
     built = {fmt: spec.params * 4 * rate for fmt, rate in cal.quantized_build.items()}
     assert plan.setup_seconds == pytest.approx(built)
     assert "one-time: building the quantized draft weights (fp16 2.7 s, int8 2.0 s)" in plan.summary()
-    bare = dataclasses.replace(cal, quantized_overhead={}, quantized_build={})
+    bare = dataclasses.replace(cal, quantized_overhead={"int8": 0.0, "fp16": 0.0}, quantized_build={"int8": 0.0, "fp16": 0.0})
     bare.save(calibration_path("smollm2-135m", spec, device_key("cpu"), "float32"))
     free = hf_magicdec.plan(SMOLLM2, batch_size=batch, prompt_len=prompt, new_tokens=new_tokens, device="cpu")
     assert free.speculate and not free.setup_seconds and "one-time" not in free.summary()
@@ -142,14 +142,17 @@ def test_the_build_is_priced_only_while_the_model_has_no_quantized_draft():
 
 
 def test_a_plan_on_a_preset_says_its_rates_are_placeholders(tmp_path, monkeypatch):
-    """Its rates, and the quantized draft's build, which a preset does not price."""
+    """Its rates, the quantized draft's build it priced, and that a preset without a build rate
+    does not price it."""
     monkeypatch.setenv("HF_MAGICDEC_CACHE", str(tmp_path))  # no cached calibration of this machine
     plan = hf_magicdec.plan(SMOLLM2, batch_size=8, prompt_len=4096, new_tokens=128, device="cpu")
     assert "placeholder rates not measured on this device" in plan.summary()
     assert "--calibrate" in plan.summary()
-    assert plan.speculate and plan.draft_weights != "full" and not plan.setup_seconds
+    assert plan.speculate and plan.draft_weights != "full" and set(plan.setup_seconds) == {"int8", "fp16"}
+    assert "one-time: building the quantized draft weights (fp16 " in plan.summary()
+    unpriced = dataclasses.replace(plan, setup_seconds={})  # a preset without format_build (the GPU ones)
     assert (f"one-time: a model without {plan.draft_weights} draft weights builds them in its first speculating call, "
-            "which this preset does not price") in plan.summary()
+            "which this preset does not price") in unpriced.summary()
 
 
 def test_a_scheduled_plan_says_what_the_run_will_do(tmp_path, monkeypatch):

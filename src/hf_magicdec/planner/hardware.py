@@ -1,6 +1,6 @@
 """Hardware specifications: peak FLOP/s per dtype, memory bandwidth, tensor-parallel degree. GPU presets
 are datasheet peaks (optimistic, MagicDec §3; :mod:`hf_magicdec.calibration` fits real rates), the
-``"cpu"`` preset an order of magnitude."""
+``"cpu"`` preset one 2-core VM's calibration."""
 
 from __future__ import annotations
 
@@ -169,13 +169,18 @@ HARDWARE_PRESETS: dict[str, HardwareSpec] = {
         layer_overhead=_EAGER_LAYER_OVERHEAD,
     ),
     "cpu": HardwareSpec(
-        # Effective rates fitted on a 2-core x86 VM, not peaks; no row curve, format_overhead or
-        # format_build: only a calibration measures those (docs/cost_model.md, "Where the constants come from").
+        # A calibration of SmolLM2-135M fp32 on a 2-core Xeon VM, its per-forward host time spread over
+        # the layers: right on that machine, a placeholder elsewhere (docs/cost_model.md, "The `cpu` preset").
         name="cpu (uncalibrated)",
         fused_mass=False,
-        peak_flops={"float32": 180e9, "bfloat16": 50e9, "float16": 25e9},
-        format_flops={"int8": 85e9, "fp16": 95e9},
-        bandwidth=12 * _GB, link_bandwidth=10 * _GB, allreduce_latency=20e-6, overhead=0.0, overlap=False,
+        peak_flops={"float32": 75e9, "bfloat16": 50e9, "float16": 25e9},
+        bandwidth=20 * _GB, link_bandwidth=10 * _GB, allreduce_latency=20e-6, overlap=False,
+        layer_overhead=0.5e-3, captured=False,
+        format_flops={"int8": 210e9, "fp16": 190e9},
+        format_overhead={"int8": 0.29e-3, "fp16": 0.29e-3},
+        format_build={"int8": 1.7e-9, "fp16": 2.2e-9},
+        linear_rows=((1, 1.0), (2, 1.07), (3, 1.15), (4, 2.28), (6, 2.37), (8, 2.83), (12, 3.36), (16, 4.65),
+                     (24, 4.88), (32, 5.27), (48, 5.81), (128, 6.38)),
     ),
 }
 
