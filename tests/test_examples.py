@@ -162,7 +162,11 @@ def test_readme_quickstart_runs():
         code = code.replace(old, new)
     proc = _run(["-c", code])
     assert proc.returncode == 0, f"README quickstart failed:\n{proc.stdout}\n{proc.stderr[-3000:]}"
-    assert "steps of the batch" in proc.stdout and "per row-step: acceptance" in proc.stdout  # summary()
+    # summary(): of the speculation, or, at this small size on a CPU without a calibration, of the
+    # planner declining it (the README's own shape speculates).
+    out = proc.stdout
+    assert ("steps of the batch" in out and "per row-step: acceptance" in out) or \
+        "plain decoding with stock generate (the planner's choice" in out, out
 
 
 # ---------------------------------------------------------------- docs say true things
