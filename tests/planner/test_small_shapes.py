@@ -54,7 +54,9 @@ def test_a_calibrated_plan_declines_where_speculation_measured_no_gain(batch, pr
     built = {fmt: spec.params * 4 * rate for fmt, rate in cal.quantized_build.items()}
     assert plan.setup_seconds == pytest.approx(built)
     assert "one-time: building the quantized draft weights (fp16 2.7 s, int8 2.0 s)" in plan.summary()
-    bare = dataclasses.replace(cal, quantized_overhead={"int8": 0.0, "fp16": 0.0}, quantized_build={"int8": 0.0, "fp16": 0.0})
+    # Zeros, not empty: a calibration without them takes the cpu preset's, which has both.
+    zero = {"int8": 0.0, "fp16": 0.0}
+    bare = dataclasses.replace(cal, quantized_overhead=zero, quantized_build=zero)
     bare.save(calibration_path("smollm2-135m", spec, device_key("cpu"), "float32"))
     free = hf_magicdec.plan(SMOLLM2, batch_size=batch, prompt_len=prompt, new_tokens=new_tokens, device="cpu")
     assert free.speculate and not free.setup_seconds and "one-time" not in free.summary()
