@@ -9,7 +9,7 @@ import pytest
 
 import hf_magicdec
 from hf_magicdec.calibration import calibration_path, device_key
-from hf_magicdec.planner import get_hardware
+from hf_magicdec.planner import SearchSpace, Workload, get_hardware, search_plan
 from hf_magicdec.planner.modelspec import ModelSpec
 from hf_magicdec.planner.roofline import draft_step
 from hf_magicdec.planner.schedule import PLAIN_PROBE_STEPS, StepModel, context_points, scheduled_speedup
@@ -152,7 +152,14 @@ def test_a_plan_on_a_preset_says_its_rates_are_placeholders(tmp_path, monkeypatc
     assert "--calibrate" in plan.summary()
     assert plan.speculate and plan.draft_weights != "full" and set(plan.setup_seconds) == {"int8", "fp16"}
     assert "one-time: building the quantized draft weights (fp16 " in plan.summary()
-    unpriced = dataclasses.replace(plan, setup_seconds={})  # a preset without format_build (the GPU ones)
+    # A preset without format_build (the GPU ones) says it does not price the build; the cpu preset,
+    # which has one, says nothing of it once the model has its quantized drafts (nothing to build).
+    assert plan.unpriced_builds == ()
+    gpu = search_plan(ModelSpec.from_config(SMOLLM2), Workload(8, 4096, 128), "h100",
+                      SearchSpace(drafts=(get_view("snapkv"),), draft_weights=("full", "int8")))
+    assert gpu.unpriced_builds == ("int8",)
+    unpriced = dataclasses.replace(plan, setup_seconds={}, unpriced_builds=(plan.draft_weights,))
+    assert "one-time" not in dataclasses.replace(plan, setup_seconds={}).summary()
     assert (f"one-time: a model without {plan.draft_weights} draft weights builds them in its first speculating call, "
             "which this preset does not price") in unpriced.summary()
 

@@ -80,7 +80,8 @@ class Plan:
     mean context priced; ``reason``: one line. ``gamma_by_context``: priced by the schedule
     (``SearchSpace.schedule``), ``(context, γ)`` at each point of the generation at the prior α.
     ``setup_seconds``: the one-time build of each quantized draft-weights format priced into its
-    candidates (``search_plan(..., setup_seconds=)``).
+    candidates (``search_plan(..., setup_seconds=)``); ``unpriced_builds``: the quantized formats
+    searched whose build the hardware has no rate for (``HardwareSpec.format_build``).
     """
 
     speculate: bool
@@ -106,6 +107,7 @@ class Plan:
     draft_weights: str = "full"
     gamma_by_context: tuple[tuple[int, int], ...] = ()
     setup_seconds: dict[str, float] = field(default_factory=dict)
+    unpriced_builds: tuple[str, ...] = ()
 
     def config_kwargs(self) -> dict[str, Any]:
         """``MagicDecConfig`` keyword arguments of the best candidate (ValueError if there is none)."""
@@ -128,7 +130,7 @@ class Plan:
             builds = ", ".join(f"{fmt} {sec:.1f} s" for fmt, sec in sorted(self.setup_seconds.items()))
             lines.append(f"one-time: building the quantized draft weights ({builds}) is priced into their candidates; "
                          "a model that has them pays nothing")
-        elif self.speculate and self.draft_weights != "full" and "(calibrated)" not in self.hardware:
+        elif self.speculate and self.draft_weights in self.unpriced_builds and "(calibrated)" not in self.hardware:
             lines.append(f"one-time: a model without {self.draft_weights} draft weights builds them in its first "
                          "speculating call, which this preset does not price (a calibration measures it)")
         verdict = "speculate" if self.speculate else "plain decoding"
@@ -268,7 +270,8 @@ def search_plan(model_or_config: Any, workload: Workload, hardware: str | Hardwa
     setup = {fmt: sec for fmt, sec in (setup_seconds or {}).items() if sec}  # per weights format; none: 0
     common = dict(batch_size=workload.batch_size, prompt_len=workload.prompt_len, new_tokens=workload.new_tokens,
                   context=workload.context, model=spec.name, hardware=hw.name + (f" x{hw.tp}" if hw.tp > 1 else ""),
-                  t_target=tt, setup_seconds=setup)
+                  t_target=tt, setup_seconds=setup,
+                  unpriced_builds=tuple(w for w in space.draft_weights if w != "full" and w not in hw.format_build))
     price = dict(batch=workload.batch_size, context=s, acceptance=acceptance, t_target=tt,
                  prompt_len=workload.prompt_len)
     # A budget must compress something: below the prompt, or, when γ follows the context, below
