@@ -1,6 +1,6 @@
 """The GPU headline (``scripts/gpu_headline.sh`` / ``scripts/gpu_headline.py``, docs/gpu_runs.md),
 checked on CPU: the shell script parses, its dry run (``GPU_RUN_DRY=1``: ``--smoke``, a tiny random
-Llama, the compiled rows on ``aot_eager``) measures every row and stage and writes the JSON, and the
+Llama, the compiled rows on ``aot_eager``, one batch) measures every row and stage and writes the JSON, and the
 GGUF travels in two parts that join only to the right digest."""
 
 from __future__ import annotations
@@ -45,7 +45,9 @@ def test_gguf_parts_join_only_to_the_right_digest(tmp_path):
 
 def test_dry_run_measures_every_row_and_stage(tmp_path):
     env = {**os.environ, "GPU_RUN_DRY": "1", "OUT": str(tmp_path), "PYTHON": sys.executable}
-    proc = subprocess.run(["bash", str(SCRIPT), "run"], capture_output=True, text=True, env=env, timeout=600)
+    # One batch: the second of the smoke run's two repeats the same code at another shape.
+    proc = subprocess.run(["bash", str(SCRIPT), "run", "--batches", "3"], capture_output=True, text=True, env=env,
+                          timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     report = json.loads((tmp_path / "headline.json").read_text())
     assert report["complete"] and report["status"] == "done" and report["smoke"]

@@ -31,6 +31,15 @@ def real_batch(smollm2):
     return ids, mask
 
 
+@pytest.fixture(scope="module")
+def greedy_reference(smollm2, real_batch):
+    """Stock greedy ``generate`` of 40 tokens on the batch, shared by the views compared with it."""
+    model, _ = smollm2
+    ids, mask = real_batch
+    kwargs = dict(input_ids=ids, attention_mask=mask, max_new_tokens=40, do_sample=False)
+    return kwargs, model.generate(**kwargs)
+
+
 @pytest.mark.parametrize(
     "options",
     [
@@ -39,11 +48,9 @@ def real_batch(smollm2):
     ],
     ids=["streamingllm", "snapkv"],
 )
-def test_smollm2_greedy_identical(smollm2, real_batch, options):
+def test_smollm2_greedy_identical(smollm2, greedy_reference, options):
     model, tokenizer = smollm2
-    ids, mask = real_batch
-    kwargs = dict(input_ids=ids, attention_mask=mask, max_new_tokens=40, do_sample=False)
-    reference = model.generate(**kwargs)
+    kwargs, reference = greedy_reference
     out = model.generate(**kwargs, speculative="magicdec", return_dict_in_generate=True, **options)
     assert torch.equal(reference, out.sequences), tokenizer.batch_decode(out.sequences[:, -40:])
     # A real model on natural text accepts most drafts even from a small view.
