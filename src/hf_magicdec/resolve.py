@@ -279,7 +279,7 @@ def _explicit_plan(config: MagicDecConfig, spec, kwargs: dict):
 
 
 def _plain_on_cache(p, **changes):
-    return dataclasses.replace(p, speculate=False, gamma=0, predicted_speedup=1.0,
+    return dataclasses.replace(p, speculate=False, gamma=0, predicted_speedup=1.0, predicted_decode_speedup=1.0,
                                reason="gamma=0: plain decoding on MagicDec's cache (no draft)", **changes)
 
 

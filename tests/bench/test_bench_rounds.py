@@ -19,7 +19,7 @@ from hf_magicdec import SpeculationStats
 from hf_magicdec_bench.bench import rounds as rounds_mod
 from hf_magicdec_bench.bench.cli import main as bench_main
 from hf_magicdec_bench.bench.harness import Measurement
-from hf_magicdec_bench.bench.report import rounds_notes, table
+from hf_magicdec_bench.bench.report import breakdown_table, rounds_notes, table
 from hf_magicdec_bench.bench.rounds import Method, busy_warning, rotation, spread
 from hf_magicdec_bench.bench.runner import Result, plan_label, plan_ran
 
@@ -75,6 +75,26 @@ def _row(label, decode_all, method="magicdec"):
     r = Result(method, label, 1, 4, 4, m)
     r.extra.update(decode_spread=spread(decode_all), rounds=len(decode_all))
     return r
+
+
+def test_breakdown_sets_the_planned_decode_speedup_beside_the_measured_one():
+    """Per verification step, the speedup generate's plan predicted for the decode steps at the prior
+    acceptance ("planned"), the model's at the measured one ("predicted") and what own AR measured."""
+    r = _row("magicdec default plan", [2.0])
+    r.m.speculation = SpeculationStats(accepted_lengths=[[3, 2]], gamma=3, steps=2, draft_seconds=0.6,
+                                       verify_seconds=1.0, plan={"speculate": True, "predicted_speedup": 1.1,
+                                                                 "predicted_decode_speedup": 1.23})
+    r.predicted_speedup, r.speedup_vs_ar = 1.31, 1.27
+    declined = _row("magicdec default plan", [2.0])
+    declined.m.speculation = SpeculationStats(accepted_lengths=[[0]], gamma=3, steps=1, draft_seconds=0.0,
+                                              verify_seconds=1.0, plan={"speculate": False,
+                                                                        "predicted_decode_speedup": 0.8})
+    text = breakdown_table([r, declined])
+    head, first, second = [line for line in text.splitlines() if "planned" in line or "default plan" in line][:3]
+    assert head.split()[-4:] == ["planned", "predicted", "vs", "AR"], head
+    assert first.split()[-3:] == ["1.23x", "1.31x", "1.27x"], first
+    assert second.split()[-3] == "-", second  # a declined plan predicted nothing for speculation
+    assert "planned: the speedup over own AR that generate's plan of the call predicted" in text
 
 
 def test_busy_warning_fires_on_a_large_spread_only():

@@ -32,6 +32,9 @@ def test_measured_speedup_from_the_calls_own_steps():
     assert "per row-step: acceptance 0.750" in text and "[1, 0, 0, 3], plain row-steps 4" in text
     assert "predicted 1.40x over plain decoding" in text and "measured: 1.62x" in text
     assert SpeculationStats(gamma_trace=[3], step_seconds=[0.1], accepted_lengths=[[2]]).measured_speedup() is None
+    # A plan that priced a one-time build: the steps' prediction first, the call's beside it.
+    s.plan = dict(s.plan, predicted_speedup=1.25, predicted_decode_speedup=1.4)
+    assert "predicted 1.40x over plain decoding (1.25x with the one-time build of its draft weights)" in s.summary()
 
 
 def test_the_summary_says_why_gamma_was_zero():

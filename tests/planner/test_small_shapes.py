@@ -164,6 +164,34 @@ def test_a_plan_on_a_preset_says_its_rates_are_placeholders(tmp_path, monkeypatc
             "which this preset does not price") in unpriced.summary()
 
 
+def test_the_decode_speedup_leaves_out_the_one_time_build(tmp_path, monkeypatch):
+    """``predicted_speedup`` prices the whole call, the build of the quantized draft included;
+    ``predicted_decode_speedup`` the decode steps alone (what a benchmark of decode time measures).
+    Without a build the two are one figure; with one, the call's time is the decode's plus the build."""
+    monkeypatch.setenv("HF_MAGICDEC_CACHE", str(tmp_path))  # no cached calibration of this machine
+    plan = hf_magicdec.plan(SMOLLM2, batch_size=8, prompt_len=4096, new_tokens=128, device="cpu")
+    build = plan.setup_seconds[plan.draft_weights]
+    assert plan.speculate and build > 0 and plan.predicted_decode_speedup > plan.predicted_speedup
+    # The schedule prices each of its context points as an equal share of the new tokens; the
+    # plain steps' time is theirs over the call (t_target at the mean context, linear enough here).
+    plain = plan.new_tokens * plan.t_target
+    assert plain / plan.predicted_speedup == pytest.approx(plain / plan.predicted_decode_speedup + build, rel=0.02)
+    assert f"{plan.predicted_decode_speedup:.2f}x over the decode steps alone" in plan.summary()
+    # A fixed γ (no schedule): the same relation, exact.
+    spec = ModelSpec.from_config(SMOLLM2)
+    space = SearchSpace(drafts=(get_view("snapkv"),), budgets=(256,), gammas=(3,), draft_weights=("int8",))
+    fixed = search_plan(spec, Workload(8, 4096, 128), "cpu", space, setup_seconds={"int8": 2.0})
+    plain = fixed.new_tokens * fixed.t_target
+    assert plain / fixed.predicted_speedup == pytest.approx(plain / fixed.predicted_decode_speedup + 2.0)
+    # Nothing to build, nothing to leave out; a declined plan and γ = 0 predict 1.
+    free = search_plan(spec, Workload(8, 4096, 128), "cpu", space)
+    assert free.predicted_decode_speedup == free.predicted_speedup
+    assert "over the decode steps alone" not in free.summary()
+    off = hf_magicdec.plan(SMOLLM2, batch_size=8, prompt_len=4096, new_tokens=128, device="cpu", gamma=0,
+                           draft="snapkv", draft_budget=256)
+    assert off.predicted_speedup == off.predicted_decode_speedup == 1.0
+
+
 def test_a_scheduled_plan_says_what_the_run_will_do(tmp_path, monkeypatch):
     """The default plan is priced by the schedule adaptive γ runs: its summary says so (plain timing
     steps first, then γ re-chosen from the acceptance observed and the context) and lists the γ

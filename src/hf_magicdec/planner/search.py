@@ -80,8 +80,10 @@ class Plan:
     mean context priced; ``reason``: one line. ``gamma_by_context``: priced by the schedule
     (``SearchSpace.schedule``), ``(context, γ)`` at each point of the generation at the prior α.
     ``setup_seconds``: the one-time build of each quantized draft-weights format priced into its
-    candidates (``search_plan(..., setup_seconds=)``); ``unpriced_builds``: the quantized formats
-    searched whose build the hardware has no rate for (``HardwareSpec.format_build``).
+    candidates (``search_plan(..., setup_seconds=)``); ``predicted_decode_speedup``: the best
+    candidate's speedup over the decode steps alone, without that build (what a benchmark of decode
+    time measures; equal to ``predicted_speedup`` where nothing is built); ``unpriced_builds``: the
+    quantized formats searched whose build the hardware has no rate for (``HardwareSpec.format_build``).
     """
 
     speculate: bool
@@ -108,6 +110,7 @@ class Plan:
     gamma_by_context: tuple[tuple[int, int], ...] = ()
     setup_seconds: dict[str, float] = field(default_factory=dict)
     unpriced_builds: tuple[str, ...] = ()
+    predicted_decode_speedup: float = 1.0
 
     def config_kwargs(self) -> dict[str, Any]:
         """``MagicDecConfig`` keyword arguments of the best candidate (ValueError if there is none)."""
@@ -143,6 +146,9 @@ class Plan:
         lines.append(f"best: draft={self.draft}{drafter} budget={self.draft_budget} gamma={self.gamma}  "
                      f"alpha={self.acceptance:.3f}  tokens/step={self.tokens_per_step:.2f}  "
                      f"predicted speedup {self.predicted_speedup:.2f}x")
+        if self.setup_seconds.get(self.draft_weights):
+            lines.append(f"  {self.predicted_decode_speedup:.2f}x over the decode steps alone; the one-time build of "
+                         f"the {self.draft_weights} draft weights takes the rest")
         lines.append(f"steps: T_T={self.t_target * 1e3:.3f} ms  T_D={self.t_draft * 1e3:.3f} ms "
                      f"(T_D/T_T={self.t_draft / self.t_target:.3f})  T_V={self.t_verify * 1e3:.3f} ms "
                      f"(T_V/T_T={self.t_verify / self.t_target:.3f})")
@@ -238,12 +244,14 @@ class SearchSpace:
 
 
 class Candidate(NamedTuple):
-    """One priced candidate: its estimate, the view object it runs (the plan's options) and, priced by
-    the schedule, ``(context, γ)`` at each point of the generation."""
+    """One priced candidate: its estimate (whose speedup includes any one-time setup), the view
+    object it runs (the plan's options), priced by the schedule ``(context, γ)`` at each point of the
+    generation, and the speedup of its decode steps without the setup (None: no setup priced)."""
 
     estimate: Estimate
     view: Any
     schedule: tuple[tuple[int, int], ...] = ()
+    decode_speedup: float | None = None
 
 
 def search_plan(model_or_config: Any, workload: Workload, hardware: str | HardwareSpec = "h100",
@@ -295,7 +303,8 @@ def search_plan(model_or_config: Any, workload: Workload, hardware: str | Hardwa
               f"{'prompt + new tokens' if space.schedule else 'prompt_len'}={limit} "
               "(nothing to compress) or invalid for the given gammas")
     return Plan(speculate=False, draft=None, draft_budget=None, gamma=None, predicted_speedup=1.0, acceptance=None,
-                tokens_per_step=None, t_draft=None, t_verify=None, runner_ups=(), reason=reason, **common)
+                tokens_per_step=None, t_draft=None, t_verify=None, runner_ups=(), reason=reason,
+                predicted_decode_speedup=1.0, **common)
 
 
 def _draft_model_candidates(spec: ModelSpec, hw: HardwareSpec, dspec: ModelSpec, space: SearchSpace,
@@ -315,7 +324,8 @@ def _with_setup(c: Candidate, seconds: float, new_tokens: int) -> Candidate:
         return c
     e = c.estimate
     plain = new_tokens * e.t_target
-    return c._replace(estimate=dataclasses.replace(e, speedup=plain / (plain / e.speedup + seconds)))
+    return c._replace(estimate=dataclasses.replace(e, speedup=plain / (plain / e.speedup + seconds)),
+                      decode_speedup=e.speedup)
 
 
 def _scheduled(candidates: list[Candidate], spec: ModelSpec, hw: HardwareSpec, workload: Workload,
@@ -329,7 +339,7 @@ def _scheduled(candidates: list[Candidate], spec: ModelSpec, hw: HardwareSpec, w
     points = context_points(prompt_len, workload.new_tokens)
     out, upside = [], {}
     for (name, budget, weights), group in groups.items():
-        est, view, _ = max(group, key=lambda c: c.estimate.speedup)
+        est, view = max(group, key=lambda c: c.estimate.speedup)[:2]
         drafter = spec if weights == "full" else spec.with_weights(weights)
         model = StepModel(spec, hw, drafter, budget, view, tuple(c.estimate.gamma for c in group))
         alpha_name = name if weights == "full" else f"{name}{WEIGHTS_SEPARATOR}{weights}"
@@ -339,13 +349,16 @@ def _scheduled(candidates: list[Candidate], spec: ModelSpec, hw: HardwareSpec, w
 
         call = dict(new_tokens=workload.new_tokens, setup_seconds=setup.get(weights, 0.0))
         speedup, gammas = scheduled_speedup(model, batch, points, alpha, True, **call)
+        decode = None
+        if call["setup_seconds"] and any(gammas):  # the same schedule without the build (memoised steps)
+            decode = scheduled_speedup(model, batch, points, alpha, True, new_tokens=workload.new_tokens)[0]
         upside[(name, budget, weights)] = scheduled_speedup(model, batch, points, lambda c: alpha(c, UPSIDE), True,
                                                             **call)[0]
         # Never on: plain decoding on MagicDec's cache, not worth a speculative call (the estimate,
         # below where the schedule would switch on).
         out.append(Candidate(dataclasses.replace(est, speedup=speedup) if any(gammas)
                              else dataclasses.replace(est, speedup=min(est.speedup, 1.0 - SWITCH_MARGIN)), view,
-                             tuple(zip(points, gammas))))
+                             tuple(zip(points, gammas)), decode))
     return out, upside
 
 
@@ -363,6 +376,7 @@ def _decide(candidates: list[Candidate], min_speedup: float, common: dict, upsid
     if upside:
         candidates.sort(key=tied_upside, reverse=True)  # stable: the rest keep their order
     best, runner_ups = candidates[0].estimate, {}
+    decode = candidates[0].decode_speedup
     for e in (c.estimate for c in candidates[1:]):
         runner_ups.setdefault((e.draft, e.draft_budget, e.draft_model, e.draft_weights), e)
     runner_ups.pop((best.draft, best.draft_budget, best.draft_model, best.draft_weights), None)
@@ -376,4 +390,5 @@ def _decide(candidates: list[Candidate], min_speedup: float, common: dict, upsid
                 predicted_speedup=best.speedup, acceptance=best.acceptance, tokens_per_step=best.omega,
                 t_draft=best.t_draft, t_verify=best.t_verify, runner_ups=tuple(runner_ups.values())[:_RUNNER_UPS],
                 reason=reason, draft_model=best.draft_model, draft_options=_options(candidates[0].view),
-                draft_weights=best.draft_weights, gamma_by_context=candidates[0].schedule, **common)
+                draft_weights=best.draft_weights, gamma_by_context=candidates[0].schedule,
+                predicted_decode_speedup=best.speedup if decode is None else decode, **common)
