@@ -190,6 +190,10 @@ def test_the_decode_speedup_leaves_out_the_one_time_build(tmp_path, monkeypatch)
     off = hf_magicdec.plan(SMOLLM2, batch_size=8, prompt_len=4096, new_tokens=128, device="cpu", gamma=0,
                            draft="snapkv", draft_budget=256)
     assert off.predicted_speedup == off.predicted_decode_speedup == 1.0
+    # A declined call builds nothing: its summary leaves the decode steps' line out.
+    small = hf_magicdec.plan(SMOLLM2, batch_size=2, prompt_len=512, new_tokens=32, device="cpu")
+    assert not small.speculate and small.setup_seconds
+    assert "over the decode steps alone" not in small.summary()
 
 
 def test_a_scheduled_plan_says_what_the_run_will_do(tmp_path, monkeypatch):

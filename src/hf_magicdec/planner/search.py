@@ -146,7 +146,7 @@ class Plan:
         lines.append(f"best: draft={self.draft}{drafter} budget={self.draft_budget} gamma={self.gamma}  "
                      f"alpha={self.acceptance:.3f}  tokens/step={self.tokens_per_step:.2f}  "
                      f"predicted speedup {self.predicted_speedup:.2f}x")
-        if self.setup_seconds.get(self.draft_weights):
+        if self.speculate and self.setup_seconds.get(self.draft_weights):
             lines.append(f"  {self.predicted_decode_speedup:.2f}x over the decode steps alone; the one-time build of "
                          f"the {self.draft_weights} draft weights takes the rest")
         lines.append(f"steps: T_T={self.t_target * 1e3:.3f} ms  T_D={self.t_draft * 1e3:.3f} ms "
