@@ -585,6 +585,35 @@ def test_unreadable_calibration_file_is_named_and_ignored(monkeypatch, tmp_path)
         assert cal.load_calibration("tiny", spec, "cpu", "float32", tmp_path) is None
 
 
+def test_a_calibration_at_another_thread_count_is_named(monkeypatch, tmp_path):
+    """A CPU calibration is keyed by torch's thread count: a process with another count plans
+    uncalibrated, and says which calibrations it could use with as many threads (the same model,
+    shapes, dtype and CPU; another CPU's is not named)."""
+    import warnings
+
+    import torch
+
+    from hf_magicdec import MagicDecWarning
+
+    monkeypatch.setenv("HF_MAGICDEC_CACHE", str(tmp_path))
+    config = {**LLAMA, "_name_or_path": "tiny"}
+    spec = ModelSpec.from_config(config, dtype="float32")
+    here, threads = cal.device_key("cpu"), torch.get_num_threads()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", MagicDecWarning)  # nothing cached: no word
+        assert cal.load_calibration("tiny", spec, "cpu", "float32") is None
+    other = here.removesuffix(f"-{threads}t") + f"-{threads + 7}t"
+    for device in (other, here.removesuffix(f"-{threads}t") + "-v2-4t", "cpu-another-chip-2t"):
+        path = cal.calibration_path("tiny", spec, device, "float32")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text("{}")
+    assert cal.other_thread_counts(cal.calibration_path("tiny", spec, here, "float32")) == [other]
+    with pytest.warns(MagicDecWarning, match=rf"this process's {threads} torch threads; the cached ones are for "
+                                             rf"{re.escape(other)} "):
+        p = hf_magicdec.plan(config, batch_size=8, prompt_len=4096, new_tokens=64, device="cpu", dtype="float32")
+    assert "uncalibrated" in p.hardware
+
+
 # ------------------------------------------------------------------------------------- calibration smoke
 
 

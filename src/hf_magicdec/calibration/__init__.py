@@ -11,8 +11,8 @@ from .measure import calibrate
 from .rows import measure_linear_rows
 from .steps import measure_steps
 from .store import (Calibration, Fit, Measurement, StepTimes, cache_root, calibration_path, cpu_name, device_key,
-                    load_calibration)
+                    load_calibration, other_thread_counts)
 
 __all__ = ["Calibration", "Fit", "Measurement", "StepTimes", "cache_root", "calibrate", "calibration_path",
            "cpu_name", "device_key", "fit_quantized", "load_calibration", "measure_linear_rows",
-           "measure_steps", "probe_acceptance"]
+           "measure_steps", "other_thread_counts", "probe_acceptance"]

@@ -22,7 +22,7 @@ from ..planner.modelspec import ModelSpec
 from ..planner.roofline import forward_cost
 
 __all__ = ["Calibration", "Measurement", "StepTimes", "Fit", "cache_root", "calibration_path", "cpu_name",
-           "device_key", "load_calibration"]
+           "device_key", "load_calibration", "other_thread_counts"]
 
 # Raised whenever files of the previous format would misprice plans (4: the CPU row curve; git log has why).
 _FORMAT = 4
@@ -241,13 +241,31 @@ def calibration_path(model_name: str, spec: ModelSpec, device: str, dtype: str,
     return cache_root(cache_dir) / "calibration" / f"{model}-{spec.key()}__{_slug(device)}__{dtype}.json"
 
 
+def other_thread_counts(path: str | os.PathLike) -> list[str]:
+    """The device keys of the cached calibrations of the model, shapes, dtype and CPU of ``path`` (a
+    :func:`calibration_path` on a CPU, ``...__cpu-<name>-<threads>t__<dtype>.json``) at other torch
+    thread counts."""
+    path = Path(path)
+    model, device, dtype = path.stem.split("__")
+    cpu = device.rsplit("-", 1)[0]  # the key without its "-<threads>t"
+    keys = (p.stem.split("__")[1] for p in path.parent.glob(f"{model}__{cpu}-*t__{dtype}.json") if p != path)
+    return sorted(k for k in keys if re.fullmatch(rf"{re.escape(cpu)}-\d+t", k))
+
+
 def load_calibration(model_name: str, spec: ModelSpec, device: Any = "cpu", dtype: Any = None,
                      cache_dir: str | os.PathLike | None = None) -> Calibration | None:
     """The cached calibration of this model, device and dtype, or None; an unreadable file is named in a
-    :class:`MagicDecWarning` and ignored."""
+    :class:`MagicDecWarning` and ignored, and so, where this CPU has none at this process's torch thread
+    count, are its calibrations at other counts (:func:`other_thread_counts`)."""
     dtype = spec.with_dtype(dtype).dtype if dtype is not None else spec.dtype
     path = calibration_path(model_name, spec, device_key(device), dtype, cache_dir)
     if not path.is_file():
+        others = other_thread_counts(path) if torch.device(device).type == "cpu" else []
+        if others:
+            notice(f"No calibration of {model_name} for this process's {torch.get_num_threads()} torch threads; the "
+                   f"cached ones are for {', '.join(others)} (a CPU's step times depend on its threads). Plans use the "
+                   "uncalibrated cost model: run with as many threads (torch.set_num_threads, OMP_NUM_THREADS) or "
+                   "calibrate at this count.", stacklevel=2)
         return None
     try:
         return Calibration.load(path)
