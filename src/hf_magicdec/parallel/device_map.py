@@ -187,20 +187,17 @@ def plan_device_map(model_or_config, batch_size: int, context_length: int, *, co
     # the LM head next to it, on the main device): charged like the cache.
     quantized_per_layer, quantized_head = draft_weight_bytes(model, cfg.draft_weights, dtype)
     memory = get_max_memory(dict(max_memory) if max_memory is not None else None)
-    no_split = list(no_split_module_classes if no_split_module_classes is not None
-                    else (getattr(model, "_no_split_modules", None) or []))
     layer_names = _decoder_layer_names(model)
     sizes = compute_module_sizes(model, dtype=dtype)
     layer_weights = max(sizes[name] for name in layer_names)
-    workspace = _workspace(model.config, batch_size, context_length, cfg, dtype) if workspace_bytes is None \
-        else int(workspace_bytes)
+    workspace = _workspace(model.config, batch_size, context_length, cfg, dtype, workspace_bytes)
     runners = [d for d in memory if d not in _OFFLOAD] or ["cpu"]
     main = runners[0]
     # Scaling a device's budget by w / (w + c) makes every layer placed there also fit its cache.
     ratio = layer_weights / (layer_weights + per_layer + quantized_per_layer)
 
     device_map, placed, offloaded = _place(model, memory, runners, workspace, per_layer, quantized_head, ratio,
-                                           no_split, dtype, layer_names)
+                                           no_split_module_classes, dtype, layer_names)
     weight_bytes, cache, layers = _tally(device_map, sizes, placed, runners, per_layer)
     # accelerate keeps one offloaded layer's weights on the main device while it runs.
     buffer = layer_weights if offloaded and main not in _OFFLOAD else 0
@@ -249,7 +246,9 @@ def _place(model, memory, runners, workspace: int, per_layer: int, quantized_hea
     """accelerate's placement with every runner's budget scaled so that each layer it gets also
     fits its cache; layers offloaded to ``"cpu"`` / ``"disk"`` run on the main device, whose budget
     then also holds their caches, so the plan is redone until that reservation is stable.
+    ``no_split``: the module classes accelerate keeps whole (None: the model's ``_no_split_modules``).
     Returns ``(device_map, device of each decoder layer, layers offloaded)``."""
+    no_split = list(no_split if no_split is not None else (getattr(model, "_no_split_modules", None) or []))
     main = runners[0]
     offloaded = 0
     for _ in range(len(layer_names) + 1):
@@ -360,8 +359,12 @@ def _device_of(name: str, device_map: dict) -> Any:
     return device
 
 
-def _workspace(model_config, batch: int, context: int, cfg: MagicDecConfig, dtype: torch.dtype) -> int:
-    """Working memory of one forward: a prefill chunk's activations and mask, and the verify logits."""
+def _workspace(model_config, batch: int, context: int, cfg: MagicDecConfig, dtype: torch.dtype,
+               given: int | None = None) -> int:
+    """Working memory of one forward: a prefill chunk's activations and mask, and the verify logits
+    (``given``: the caller's figure)."""
+    if given is not None:
+        return int(given)
     config = getattr(model_config, "text_config", None) or model_config
     hidden = int(config.hidden_size)
     inter = int(getattr(config, "intermediate_size", None) or 4 * hidden)
