@@ -142,8 +142,8 @@ def launches(device_name: str, full: bool = True):
             yield label, None, reason
             continue
         seg = rows[: query.shape[0]]
-        _, made = tk.segment_attention_launches(query, key, value, seg, seg, seg, seg, 0.1, softcap, sinks, 0,
-                                                spec)
+        _, _, made = tk.segment_attention_launches(query, key, value, seg, seg, seg, seg, 0.1, softcap, sinks, 0,
+                                                   spec)
         yield from ((label, one, None) for one in made)
         if label.endswith("verify"):
             yield from mass_launches(label, query, key, value, softcap, sinks, seg, made[0].kwargs["BLOCK_N"], spec)
@@ -169,8 +169,8 @@ def mass_launches(label, query, key, value, softcap, sinks, seg, block_n: int, s
         if launch.mass_units(page, block_n) in units:
             continue
         units.add(launch.mass_units(page, block_n))
-        _, made = tk.segment_attention_launches(query, key, value, seg, seg, seg, seg, 0.1, softcap, sinks, 0,
-                                                spec, page_size=page)
+        _, _, made = tk.segment_attention_launches(query, key, value, seg, seg, seg, seg, 0.1, softcap, sinks, 0,
+                                                   spec, page_size=page)
         yield from ((f"{label} mass{page}", one, None) for one in made)
 
 

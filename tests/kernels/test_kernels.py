@@ -396,10 +396,11 @@ def test_mass_launches_keep_the_plan_and_the_no_mass_launch():
     seg = torch.zeros(32, dtype=torch.int32, device="meta")
     query = torch.empty(32, 32, 5, 128, dtype=torch.bfloat16, device="meta")
     key = torch.empty(32, 8, 32_773, 128, dtype=torch.bfloat16, device="meta")
-    _, plain = tk.segment_attention_launches(query, key, key, seg, seg, seg, seg, 0.1, None, None, 0, spec)
+    _, _, plain = tk.segment_attention_launches(query, key, key, seg, seg, seg, seg, 0.1, None, None, 0, spec)
     assert plain[0].kwargs["MASS"] is False
     for page, units in ((16, 4), (32, 2), (64, 1), (128, 1)):
-        _, mass, made = tk._segment_launches(query, key, key, seg, seg, seg, seg, 0.1, None, None, 0, spec, page)
+        _, mass, made = tk.segment_attention_launches(query, key, key, seg, seg, seg, seg, 0.1, None, None, 0, spec,
+                                                      page)
         *attention, epilogue = made
         assert [m.grid for m in attention] == [p.grid for p in plain] and epilogue.kernel is tk._page_mass_kernel
         assert {k: v for k, v in attention[0].kwargs.items() if k not in ("MASS", "UNITS")} == {
@@ -458,8 +459,8 @@ def test_split_count_is_not_a_compile_time_constant():
     for batch, kv_len in ((1, 70_000), (1, 3_000), (4, 700), (4, 70)):
         query = torch.empty(batch, 32, 5, 128, dtype=torch.bfloat16, device="meta")
         key = torch.empty(batch, 8, kv_len, 128, dtype=torch.bfloat16, device="meta")
-        _, made = tk.segment_attention_launches(query, key, key, seg[:batch], seg[:batch], seg[:batch], seg[:batch],
-                                                0.1, None, None, 0, spec)
+        _, _, made = tk.segment_attention_launches(query, key, key, seg[:batch], seg[:batch], seg[:batch], seg[:batch],
+                                                   0.1, None, None, 0, spec)
         constexprs.add(tuple(sorted(made[0].kwargs.items())))
         splits = made[0].args[made[0].kernel.arg_names.index("num_splits")]
         assert made[0].grid[1] == splits and (len(made) == 2) == (splits > 1)  # the merge iff several

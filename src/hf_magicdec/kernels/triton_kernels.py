@@ -422,21 +422,13 @@ def _mass_launch(lo1, hi1, lo2, hi2, batch: int, kv_heads: int, rows: int, kv_le
 
 def segment_attention_launches(query, key, value, lo1, hi1, lo2, hi2, scaling: float, softcap: float | None,
                                sinks: torch.Tensor | None, num_splits: int, spec: DeviceSpec,
-                               page_size: int = 0) -> tuple[torch.Tensor, list[Launch]]:
-    """The output ``[B, q, H, Dv]`` (unfilled) and the launches that fill it on ``spec`` (with
-    ``page_size > 0``, the launches that also write the mass partials: :func:`_segment_launches`).
+                               page_size: int = 0) -> tuple[torch.Tensor, torch.Tensor | None, list[Launch]]:
+    """``(out, mass, launches)``: the output ``[B, q, H, Dv]`` and the mass ``[B, Hkv, pages]``
+    (unfilled; None when ``page_size`` is 0: no mass written, no epilogue), and the launches that fill
+    them on ``spec``.
 
     Tensors as in :func:`segment_attention`, ``lo1 .. hi2`` ``[B]`` int32; buffers are allocated
     on the query's device, which may be ``meta`` (the AOT test). ``num_splits`` 0: automatic."""
-    out, _, launches = _segment_launches(query, key, value, lo1, hi1, lo2, hi2, scaling, softcap, sinks,
-                                         num_splits, spec, page_size)
-    return out, launches
-
-
-def _segment_launches(query, key, value, lo1, hi1, lo2, hi2, scaling, softcap, sinks, num_splits, spec,
-                      page_size) -> tuple[torch.Tensor, torch.Tensor | None, list[Launch]]:
-    """:func:`segment_attention_launches`, with the mass ``[B, Hkv, pages]`` they fill (None when
-    ``page_size`` is 0: no mass written, no epilogue)."""
     if page_size and mass_refusal(page_size):
         raise ValueError(mass_refusal(page_size))
     batch, heads, q_len, head_d = query.shape
@@ -487,8 +479,8 @@ def _segment_attention_op(query: torch.Tensor, key: torch.Tensor, value: torch.T
                           page_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``(out, mass)``: ``mass [B, Hkv, ceil(L / page_size)]`` when ``page_size > 0``, else an
     empty ``[B, Hkv, 0]`` (one schema for both)."""
-    out, mass, launches = _segment_launches(query, key, value, lo1, hi1, lo2, hi2, scaling, softcap, sinks,
-                                            num_splits, device_spec(query.device), page_size)
+    out, mass, launches = segment_attention_launches(query, key, value, lo1, hi1, lo2, hi2, scaling, softcap, sinks,
+                                                     num_splits, device_spec(query.device), page_size)
     _run(launches)
     if mass is None:
         return out, key.new_empty((key.shape[0], key.shape[1], 0), dtype=torch.float32)
