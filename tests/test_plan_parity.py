@@ -110,9 +110,11 @@ def test_an_oversized_budget_allocates_only_what_the_call_can_hold(model, monkey
 
 def test_a_fallback_says_so_and_reports_nothing_as_measured(model):
     ids, mask = ragged_prompts(2, 30, seed=4)
-    with pytest.warns(MagicDecWarning, match="decodes this call with stock generate"):
+    with pytest.warns(MagicDecWarning, match="decodes this call with stock generate") as said:
         out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=4, do_sample=False,
                              speculative="magicdec", return_dict_in_generate=True)
+    # Said at the line that called generate, not inside transformers or this package.
+    assert [w.filename for w in said.list if w.category is MagicDecWarning] == [__file__]
     s = out.speculation
     assert not s.speculated and s.decode_seconds is None and s.draft_seconds is None
     assert "not measured" in s.summary() and s.as_dict()["decode_seconds"] is None

@@ -188,7 +188,7 @@ def _stock(call: _Call, resolution: Resolution):
     model, input_ids, gen, streamer = call.model, call.input_ids, call.gen, call.request.streamer
     reason = resolution.plan.reason if resolution.plan is not None else "nothing fits the explicit settings"
     notice(f"speculative='magicdec' decodes this call with stock generate (the planner chose plain decoding: "
-           f"{reason}); set draft_budget= and gamma= to speculate anyway.", stacklevel=5)
+           f"{reason}); set draft_budget= and gamma= to speculate anyway.")
     if streamer is not None:
         streamer.put(input_ids.cpu())
     out = type(model)._sample(model, input_ids, logits_processor=call.logits_processor,
@@ -251,7 +251,7 @@ def _bounded(config: MagicDecConfig, prompt: int, new_tokens: int) -> MagicDecCo
     budget = view.bounded_budget(config.draft_budget, config.gamma, context)
     notice(f"draft_budget={config.draft_budget} holds the whole context ({prompt} prompt slots + {new_tokens} new "
            f"tokens per row): nothing is compressed, so the draft reads as much KV as the target and speculation "
-           f"cannot pay; the views are sized to {budget} slots. Use a budget well below the context.", stacklevel=6)
+           f"cannot pay; the views are sized to {budget} slots. Use a budget well below the context.")
     return config.replace(draft_budget=budget)
 
 
@@ -265,8 +265,7 @@ def _quantized_draft(model, fmt: str):
     if fresh:
         notice(f"speculative='magicdec' built {fmt} draft weights for {type(model).__name__} in "
                f"{time.perf_counter() - t0:.1f} s ({draft.nbytes / 2**20:.0f} MiB beside the model; the target still "
-               "verifies in full precision); later calls reuse them while the model's weights are unchanged.",
-               stacklevel=6)
+               "verifies in full precision); later calls reuse them while the model's weights are unchanged.")
     return draft
 
 

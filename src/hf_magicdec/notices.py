@@ -9,6 +9,9 @@ Silence them with ``warnings.filterwarnings("ignore", category=hf_magicdec.Magic
 
 from __future__ import annotations
 
+import os
+import sys
+import sysconfig
 import warnings
 
 __all__ = ["MagicDecWarning", "notice"]
@@ -19,6 +22,27 @@ class MagicDecWarning(UserWarning):
     decoding, options that were not used, a one-time cost)."""
 
 
-def notice(message: str, stacklevel: int = 3) -> None:
-    """Say ``message`` as a :class:`MagicDecWarning`."""
-    warnings.warn(message, MagicDecWarning, stacklevel=stacklevel)
+def notice(message: str) -> None:
+    """Say ``message`` as a :class:`MagicDecWarning`, attributed to the caller's own line: the first
+    frame outside this package, transformers, torch and the standard library (where
+    ``model.generate`` was called), not a line of the machinery between."""
+    warnings.warn(message, MagicDecWarning, stacklevel=_caller_level())
+
+
+def _internal_dirs() -> tuple[str, ...]:
+    dirs = [os.path.dirname(os.path.abspath(__file__)), sysconfig.get_paths()["stdlib"]]
+    for name in ("transformers", "torch"):
+        module = sys.modules.get(name)
+        if getattr(module, "__file__", None):
+            dirs.append(os.path.dirname(os.path.abspath(module.__file__)))
+    return tuple(os.path.join(d, "") for d in dirs)
+
+
+def _caller_level() -> int:
+    """``warnings.warn``'s stack level, from :func:`notice`, of the first frame outside :func:`_internal_dirs`
+    (the outermost frame if every one is inside)."""
+    internal = _internal_dirs()
+    frame, level = sys._getframe(2), 2  # notice's caller
+    while frame.f_back is not None and os.path.abspath(frame.f_code.co_filename).startswith(internal):
+        frame, level = frame.f_back, level + 1
+    return level

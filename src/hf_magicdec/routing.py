@@ -99,7 +99,7 @@ def _guard_continuous_batching() -> None:
             notice(f"{asked} does not apply to transformers' continuous batching (generate_batch, "
                    "init_continuous_batching, continuous_batching_context_manager): these requests decode with "
                    "transformers' continuous batching and no speculation. For MagicDec, call model.generate(input_ids, "
-                   "attention_mask=..., speculative='magicdec') on a padded batch.", stacklevel=3)
+                   "attention_mask=..., speculative='magicdec') on a padded batch.")
         return original(self, *args, **kwargs)
 
     GenerationMixin.init_continuous_batching = init_continuous_batching
@@ -131,8 +131,7 @@ def _refuse_unrequested_options(model, args, kwargs) -> None:
     carried = carried_options(config)
     if carried:
         notice(f"The generation config carries MagicDec options {sorted(carried)} but no speculative= entry: they "
-               "are ignored and this call decodes with stock generate. Add speculative='magicdec' to use them.",
-               stacklevel=4)
+               "are ignored and this call decodes with stock generate. Add speculative='magicdec' to use them.")
 
 
 @functools.cache

@@ -150,8 +150,9 @@ def test_continuous_batching_says_it_does_not_speculate(model):
     from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
     config = _config(speculative="magicdec", **SETTINGS)
-    with pytest.warns(hf_magicdec.MagicDecWarning, match="continuous batching.*no speculation"):
+    with pytest.warns(hf_magicdec.MagicDecWarning, match="continuous batching.*no speculation") as said:
         model.init_continuous_batching(generation_config=config)
+    assert {w.filename for w in said.list} == {__file__}  # the caller's line
     with pytest.warns(hf_magicdec.MagicDecWarning, match=r"MagicDec options \['draft'"):
         model.init_continuous_batching(_config(draft="snapkv"))
     with warnings.catch_warnings(record=True) as record:

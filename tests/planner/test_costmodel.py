@@ -609,9 +609,10 @@ def test_a_calibration_at_another_thread_count_is_named(monkeypatch, tmp_path):
         path.write_text("{}")
     assert cal.other_thread_counts(cal.calibration_path("tiny", spec, here, "float32")) == [other]
     with pytest.warns(MagicDecWarning, match=rf"this process's {threads} torch threads; the cached ones are for "
-                                             rf"{re.escape(other)} "):
+                                             rf"{re.escape(other)} ") as said:
         p = hf_magicdec.plan(config, batch_size=8, prompt_len=4096, new_tokens=64, device="cpu", dtype="float32")
     assert "uncalibrated" in p.hardware
+    assert [w.filename for w in said.list] == [__file__]  # said where hf_magicdec.plan was called
 
 
 # ------------------------------------------------------------------------------------- calibration smoke

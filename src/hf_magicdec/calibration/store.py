@@ -265,12 +265,12 @@ def load_calibration(model_name: str, spec: ModelSpec, device: Any = "cpu", dtyp
             notice(f"No calibration of {model_name} for this process's {torch.get_num_threads()} torch threads; the "
                    f"cached ones are for {', '.join(others)} (a CPU's step times depend on its threads). Plans use the "
                    "uncalibrated cost model: run with as many threads (torch.set_num_threads, OMP_NUM_THREADS) or "
-                   "calibrate at this count.", stacklevel=2)
+                   "calibrate at this count.")
         return None
     try:
         return Calibration.load(path)
     except (OSError, ValueError, KeyError, TypeError) as err:
         notice(f"Ignoring the calibration file {path}: it cannot be read ({type(err).__name__}: {err}). Plans use "
                "the uncalibrated cost model until it is written again (hf_magicdec.calibrate(model) or "
-               "`hf-magicdec plan ... --calibrate`).", stacklevel=2)
+               "`hf-magicdec plan ... --calibrate`).")
         return None

@@ -179,7 +179,7 @@ class _RecompileLimitWatch(logging.Filter):
             notice("torch.compile reached its recompile limit on a speculative='magicdec' step "
                    f"({record.getMessage().splitlines()[0]}); that part now runs eagerly for the rest of the "
                    "process, slower. Raise torch._dynamo.config.recompile_limit, or keep the batch size and "
-                   "lengths of calls in fewer distinct values.", stacklevel=2)
+                   "lengths of calls in fewer distinct values.")
         return True
 
 

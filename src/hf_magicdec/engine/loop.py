@@ -137,7 +137,7 @@ class Engine:
             why = why_not_captured(b.tokens, self.lockstep, self.drafter, LOCAL)
             if why is not None:
                 notice(f"compile=: the speculation step cannot run in compiled graphs with {why}; only the model "
-                       "forwards are compiled (the step's bookkeeping runs eagerly).", stacklevel=6)
+                       "forwards are compiled (the step's bookkeeping runs eagerly).")
                 self.graphs = None
         if self.captured:
             watch_recompile_limit()
