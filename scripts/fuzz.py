@@ -437,7 +437,8 @@ def _check_well_formed(case, kw, ids, out, stock):
             problems.append(f"row {r}: EOS at {end} before min_new_tokens")
         if banned & set(row[: end + 1]) - set(eos):
             problems.append(f"row {r}: banned token {sorted(banned & set(row[: end + 1]))}")
-        if gen.get("begin_suppress_tokens") and row[0] in gen["begin_suppress_tokens"]:
+        # (A row may be empty here: one new token, the forced EOS at max_length, set aside above.)
+        if gen.get("begin_suppress_tokens") and row and row[0] in gen["begin_suppress_tokens"]:
             problems.append(f"row {r}: begin-suppressed token first")
         ng = gen.get("no_repeat_ngram_size")
         if ng:

@@ -57,3 +57,10 @@ def test_long_profile():
     summary = fuzz.run_profile(cases, seed)
     print(json.dumps({k: v for k, v in summary.items() if k != "failed"}))
     assert summary["failures"] == 0, _report(summary)
+
+
+def test_a_row_of_only_the_forced_eos_is_checked():
+    """One new token, the forced EOS at max_length, with begin_suppress_tokens: the checker set the EOS
+    aside and then read the row's first token (seed 2026, case 1867 raised IndexError)."""
+    result = fuzz.run_case(fuzz.draw_case(2026, 1867))
+    assert result["ok"] and result["check"].startswith("sampling without drafting"), result
